@@ -1,0 +1,24 @@
+# `make test` and `make demo` work on a fresh clone: they build .venv from nothing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo clean
+
+venv: $(STAMP)
+
+# torch first and pinned: the CPU wheel is local here; an unpinned torch pulled in by a
+# dependency would fetch a multi-GB CUDA build.
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) *.egg-info
