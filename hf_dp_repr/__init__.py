@@ -1,3 +1,9 @@
 """hf-dp-repr: differentially private fine-tuning of Hugging Face models, and what DP noise does to their representations."""
 
 __version__ = "0.1.0"
+
+from .config import DPTrainingArguments  # noqa: E402
+from .privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, compute_epsilon  # noqa: E402
+from .trainer import DPTrainer  # noqa: E402
+
+__all__ = ["DPTrainer", "DPTrainingArguments", "PrivacyLedger", "calibrate_noise_multiplier", "compute_epsilon"]

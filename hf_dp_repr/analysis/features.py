@@ -1,0 +1,208 @@
+"""Per-layer features from `output_hidden_states=True`, streamed into D_l / PR_l statistics batch by batch.
+
+What is read from each hidden state `hidden_states[l]` (l = 0 is the embedding output):
+  - vision ("image-classification"): the [CLS] token (position 0) of every layer, or with `pooling="mean"`
+    the mean of the tokens after it (the patches). The [CLS] token of the *embedding output* is the same
+    learned vector for every image, so D_0 and PR_0 would be 0/0; under [CLS] pooling layer 0 is therefore
+    read as the mean patch embedding (the report's `notes` say so). 4-D maps (B, C, H, W) of conv nets are
+    average-pooled. Targets: the class label (D and scalar PR, or one-hot PR with `one_hot_classes`).
+  - language ("causal-lm"): every non-padding position that has a non-padding next token; the target is
+    that next token's id (He & Su 2024). D is not computed: its "classes" would be the whole vocabulary.
+
+Only per-layer sufficient statistics are kept (class counts, means and within-class scatter for D; the
+centred scatter of [x, y] for PR), so memory is O(layers · d²) whatever the number of examples or tokens.
+The model runs in eval mode under `torch.no_grad()`; its training mode is restored afterwards.
+
+Example:
+    >>> from hf_dp_repr.data import load_digits_dataset
+    >>> from hf_dp_repr.tiny import tiny_vit
+    >>> from hf_dp_repr.analysis import analyze_representations
+    >>> report = analyze_representations(tiny_vit(), load_digits_dataset()["test"], batch_size=128)
+    >>> report.num_layers, report.num_examples, report.fuzziness_law is not None
+    (5, 360, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .batches import LANGUAGE, TASKS, VISION, batch_size_of, detect_task, iter_batches, language_inputs, to_tensor
+from .law import fuzziness_law, residual_law
+from .report import RepresentationReport
+from .residual import ResidualStats
+from .separation import SeparationStats
+
+__all__ = ["analyze_representations", "extract_features", "POOLINGS"]
+
+POOLINGS = ("cls", "mean")
+LAYER0_NOTE = "layer 0 ([CLS] of the embedding output is constant) is read as the mean patch embedding"
+PROGRESS_MIN_BATCHES = 20  # show a progress bar by default only for runs longer than this
+
+
+def analyze_representations(
+    model: torch.nn.Module,
+    dataset: Any,
+    *,
+    task: str = "auto",
+    pooling: str = "cls",
+    batch_size: int = 64,
+    max_examples: int | None = None,
+    label_column: str = "labels",
+    one_hot_classes: int | None = None,
+    progress: bool | None = None,
+) -> RepresentationReport:
+    """Measure D_l and PR_l at every hidden state of `model` on `dataset`, streaming, and fit both laws.
+
+    Args:
+        model: a 🤗 model whose forward accepts `output_hidden_states=True` (e.g. ViTForImageClassification,
+            ViTModel, GPT2LMHeadModel).
+        dataset: a 🤗 Dataset/IterableDataset with `pixel_values` + `label_column` (vision) or `input_ids`
+            [+ `attention_mask`] (language), or any iterable of such batch dicts (a DataLoader).
+        task: "image-classification", "causal-lm", or "auto" (from the columns).
+        pooling: vision only, "cls" or "mean" (patch tokens).
+        batch_size: rows per forward pass (ignored for iterables of ready batches).
+        max_examples: stop after this many rows.
+        label_column: column holding the class id (vision).
+        one_hot_classes: vision only; regress PR on one-hot labels of this many classes instead of the scalar
+            label (the seed papers use the scalar label).
+        progress: show a tqdm bar; default: only for runs of more than 20 batches.
+    """
+    if task not in ("auto", *TASKS):
+        raise ValueError(f"`task` must be 'auto', {TASKS[0]!r} or {TASKS[1]!r}, got {task!r}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"`pooling` must be one of {POOLINGS}, got {pooling!r}")
+    sep: list[SeparationStats] = []
+    res: list[ResidualStats] = []
+    examples = positions = 0
+    for task, rows, layers, labels in _stream(model, dataset, task, pooling, batch_size, max_examples,
+                                              label_column, progress):
+        examples += rows
+        if len(labels) == 0:  # e.g. a batch of one-token sequences: nothing to predict
+            continue
+        if not res:
+            res = [ResidualStats(num_classes=one_hot_classes if task == VISION else None) for _ in layers]
+            sep = [SeparationStats() for _ in layers] if task == VISION else []
+        for stats, feats in zip(res, layers):
+            stats.update(feats, labels)
+        for stats, feats in zip(sep, layers):
+            stats.update(feats, labels)
+        positions += len(labels)
+    if not res:
+        raise ValueError("no rows to analyse: the dataset is empty or has no predicted positions "
+                         "(language sequences need at least 2 non-padding tokens)")
+    residual = [stats.residual() for stats in res]
+    fuzziness = [stats.fuzziness() for stats in sep] if sep else None
+    notes = [LAYER0_NOTE] if task == VISION and pooling == "cls" else []
+    return RepresentationReport(
+        task=task,
+        pooling=pooling if task == VISION else "tokens",
+        num_examples=examples,
+        num_positions=positions,
+        residual=residual,
+        fuzziness=fuzziness,
+        fuzziness_law=fuzziness_law(fuzziness) if fuzziness else None,
+        residual_law=residual_law(residual),
+        notes=notes,
+    )
+
+
+def extract_features(
+    model: torch.nn.Module,
+    dataset: Any,
+    *,
+    layer: int = -1,
+    task: str = "auto",
+    pooling: str = "cls",
+    batch_size: int = 64,
+    max_examples: int | None = None,
+    label_column: str = "labels",
+    progress: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """All features of one layer in memory, as (features n × d float32, labels or next-token ids (n,)).
+
+    Reads the same positions as `analyze_representations`; meant for the kNN probe and UMAP plots.
+
+    Example:
+        >>> from hf_dp_repr.data import load_digits_dataset
+        >>> from hf_dp_repr.tiny import tiny_vit
+        >>> feats, labels = extract_features(tiny_vit(), load_digits_dataset()["test"], layer=-1)
+        >>> feats.shape, labels.shape
+        ((360, 64), (360,))
+    """
+    chunks, targets = [], []
+    for _, _, layers, labels in _stream(model, dataset, task, pooling, batch_size, max_examples, label_column,
+                                     progress, only_layer=layer):
+        chunks.append(layers[0].float().cpu().numpy())
+        targets.append(labels.cpu().numpy())
+    if not chunks:
+        raise ValueError("no rows to extract: the dataset is empty")
+    return np.concatenate(chunks), np.concatenate(targets)
+
+
+def _stream(model, dataset, task, pooling, batch_size, max_examples, label_column, progress, only_layer=None
+            ) -> Iterator[tuple[str, int, list[torch.Tensor], torch.Tensor]]:
+    """Yield (task, rows, per-layer features, targets) per batch, with the model in eval mode and no grad."""
+    batches, total = iter_batches(dataset, batch_size, max_examples)
+    show = progress if progress is not None else (total is None or total > PROGRESS_MIN_BATCHES)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in tqdm(batches, total=total, desc="hidden states", disable=not show, leave=False):
+                batch_task = detect_task(batch) if task == "auto" else task
+                rows = batch_size_of(batch)
+                if batch_task == VISION:
+                    yield batch_task, rows, *_vision(model, batch, device, pooling, label_column, only_layer)
+                else:
+                    yield batch_task, rows, *_language(model, batch, device, only_layer)
+    finally:
+        model.train(was_training)
+
+
+def _hidden_states(model, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    out = model(**inputs, output_hidden_states=True, return_dict=True)
+    hidden = getattr(out, "hidden_states", None)
+    if hidden is None:
+        raise ValueError(f"{type(model).__name__} returned no `hidden_states` for output_hidden_states=True; "
+                         "use a 🤗 model that supports it")
+    return hidden
+
+
+def _vision(model, batch, device, pooling, label_column, only_layer):
+    if label_column not in batch:
+        raise KeyError(f"vision analysis needs class ids in column `{label_column}`; got {sorted(batch)} "
+                       "(set `label_column=`)")
+    pixels = to_tensor(batch["pixel_values"]).to(device=device, dtype=next(model.parameters()).dtype)
+    labels = to_tensor(batch[label_column]).to(device).long()
+    hidden = _hidden_states(model, {"pixel_values": pixels})
+    indices = range(len(hidden)) if only_layer is None else [range(len(hidden))[only_layer]]
+    return [_pool(hidden[i], i, pooling) for i in indices], labels
+
+
+def _pool(h: torch.Tensor, layer: int, pooling: str) -> torch.Tensor:
+    if h.ndim == 4:  # (B, C, H, W) feature maps of conv nets
+        return h.mean(dim=(2, 3))
+    if h.ndim != 3:
+        raise ValueError(f"hidden state {layer} has shape {tuple(h.shape)}; expected (B, tokens, d) or (B, C, H, W)")
+    if pooling == "mean" or layer == 0:
+        if h.shape[1] < 2:
+            raise ValueError(f"hidden state {layer} has a single token; use pooling='cls'")
+        return h[:, 1:].mean(dim=1)
+    return h[:, 0]
+
+
+def _language(model, batch, device, only_layer):
+    ids, mask = language_inputs(batch)
+    ids, mask = ids.to(device), mask.to(device)
+    hidden = _hidden_states(model, {"input_ids": ids, "attention_mask": mask})
+    # Position t predicts token t+1: both must be real tokens (works for left and right padding).
+    valid = mask[:, :-1].bool() & mask[:, 1:].bool()
+    targets = ids[:, 1:][valid]
+    indices = range(len(hidden)) if only_layer is None else [range(len(hidden))[only_layer]]
+    return [hidden[i][:, :-1][valid] for i in indices], targets

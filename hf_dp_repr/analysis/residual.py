@@ -1,0 +1,146 @@
+"""Prediction residual PR of one layer's features (He & Su 2024, "A law of next-token prediction").
+
+Fit y ≈ w·x + b by least squares (with intercept) and report
+
+    PR = Σ (y − ŷ)² / Σ (y − ȳ)²        (= 1 − R²; 0 is a perfect fit, 1 explains nothing)
+
+Targets are scalars as in the seed papers: the id of the next token for language models, the class label
+for vision ([CLS] → label, seed 000). Pass 2-D targets (n × q) for a multi-output fit, or `one_hot=True` to
+regress on one-hot class indicators; PR is then Σ_j RSS_j / Σ_j TSS_j over the q outputs.
+
+Numerics: float64 throughout. Only the centred cross-products of [x, y] are kept (merged batch by batch with
+Chan et al.'s update), so memory is O((d + q)²). The normal equations are solved on the correlation scale
+(features divided by their standard deviations), with eigen-directions below d·eps of the largest dropped:
+exactly collinear features (LayerNorm outputs lie in a hyperplane) and constant ones count once, as in a
+rank-revealing least-squares solve. PR is therefore unchanged by any invertible affine map of the features.
+
+Example:
+    >>> import numpy as np
+    >>> from hf_dp_repr.analysis import prediction_residual
+    >>> x = np.array([[0.0], [1.0], [2.0], [3.0]])
+    >>> round(prediction_residual(x, [1.0, 3.0, 5.0, 7.0]), 12)    # y = 2x + 1 exactly
+    0.0
+    >>> round(prediction_residual(x, [0.0, 1.0, 1.0, 0.0]), 12)    # a line explains none of it
+    1.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._checks import as_float64_matrix, as_float64_targets, as_int_labels
+
+__all__ = ["ResidualStats", "prediction_residual"]
+
+
+class ResidualStats:
+    """Streaming sufficient statistics for PR: count, mean and centred scatter of the joint vector [x, y].
+
+    Example:
+        >>> import torch
+        >>> stats = ResidualStats()
+        >>> x = torch.randn(200, 4); y = x @ torch.tensor([1.0, 0.0, -2.0, 0.5]) + 0.1 * torch.randn(200)
+        >>> for i in range(0, 200, 64):
+        ...     stats.update(x[i:i + 64], y[i:i + 64])
+        >>> abs(stats.residual() - prediction_residual(x, y)) < 1e-9
+        True
+    """
+
+    def __init__(self, num_classes: int | None = None) -> None:
+        """`num_classes`: regress on one-hot indicators of that many classes (targets are then class ids)."""
+        self.num_classes = num_classes
+        self.num_examples = 0
+        self.mean: torch.Tensor | None = None  # (d + q,)
+        self.scatter: torch.Tensor | None = None  # (d + q, d + q), Σ (z − z̄)(z − z̄)ᵀ
+        self.dim: int | None = None
+
+    def update(self, features: Any, targets: Any) -> "ResidualStats":
+        """Add a batch: `features` (m × d) and `targets` (m,) or (m × q). Returns self."""
+        x = as_float64_matrix(features, "features")
+        if self.num_classes is not None:
+            labels = as_int_labels(targets, x.shape[0], "targets", device=x.device)
+            if bool(((labels < 0) | (labels >= self.num_classes)).any()):
+                raise ValueError(f"`targets` must be class ids in [0, {self.num_classes}) for one-hot regression")
+            y = torch.nn.functional.one_hot(labels, self.num_classes).to(torch.float64)
+        else:
+            y = as_float64_targets(targets, x.shape[0], "targets", device=x.device)
+        z = torch.cat([x, y], dim=1)
+        if self.scatter is None:
+            self.dim = x.shape[1]
+            self.mean = z.new_zeros(z.shape[1])
+            self.scatter = z.new_zeros(z.shape[1], z.shape[1])
+        elif z.shape[1] != self.scatter.shape[0]:
+            raise ValueError(f"`features`/`targets` have {x.shape[1]}/{y.shape[1]} columns but earlier batches "
+                             f"had {self.dim}/{self.scatter.shape[0] - self.dim}")
+        z = z.to(self.scatter.device)
+
+        m, n = z.shape[0], self.num_examples
+        batch_mean = z.mean(dim=0)
+        centred = z - batch_mean
+        delta = batch_mean - self.mean
+        # Chan's merge of two groups' centred scatters: no raw second moments, so no cancellation.
+        self.scatter += centred.T @ centred + torch.outer(delta, delta) * (n * m / (n + m))
+        self.mean += delta * (m / (n + m))
+        self.num_examples = n + m
+        return self
+
+    def residual(self) -> float:
+        """PR = RSS / TSS of the least-squares fit with intercept; NaN when the targets are constant."""
+        if self.scatter is None:
+            raise ValueError("no data: call `update(features, targets)` at least once")
+        d = self.dim
+        sxx, sxy = self.scatter[:d, :d], self.scatter[:d, d:]
+        tss = torch.diagonal(self.scatter[d:, d:]).sum()
+        if float(tss) <= 0.0:
+            return float("nan")
+        # Correlation scale: makes the rank cut-off independent of each feature's units.
+        eps = torch.finfo(torch.float64).eps
+        std = torch.diagonal(sxx).sqrt()
+        # Constant columns only carry the rounding of their centring (~ eps·|mean|·sqrt(n)): leave them to
+        # the intercept instead of blowing that noise up to unit variance.
+        noise_floor = 64 * eps * self.num_examples**0.5 * self.mean[:d].abs()
+        varying = (std > noise_floor) & (std > std.max() * eps * d)
+        if not bool(varying.any()):
+            return 1.0  # constant features: the intercept alone predicts ȳ
+        s = std[varying]
+        corr = sxx[varying][:, varying] / torch.outer(s, s)
+        proj = sxy[varying] / s[:, None]
+        evals, evecs = torch.linalg.eigh(corr)
+        keep = evals > evals[-1] * corr.shape[0] * eps
+        coef = evecs[:, keep].T @ proj  # (r, q)
+        explained = ((coef**2) / evals[keep][:, None]).sum()
+        return float(((tss - explained) / tss).clamp(min=0.0))
+
+
+def prediction_residual(features: Any, targets: Any, *, one_hot: bool = False) -> float:
+    """PR = Σ(y − ŷ)² / Σ(y − ȳ)² of the least-squares fit with intercept from `features` (n × d) to `targets`.
+
+    `targets`: (n,) scalars (next-token id, class label) or (n × q) for a multi-output fit. With
+    `one_hot=True`, `targets` are integer class ids regressed as one-hot indicators (q = number of distinct
+    classes), PR = Σ_j RSS_j / Σ_j TSS_j. Float64; unchanged by any invertible affine map of the features.
+    Raises ValueError on mismatched lengths, non-finite values, or constant targets.
+
+    Example:
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> x = rng.normal(size=(500, 3))
+        >>> y = x @ [1.0, -1.0, 0.0] + rng.normal(size=500)     # signal variance 2, noise variance 1
+        >>> round(prediction_residual(x, y), 1)
+        0.3
+        >>> labels = (x[:, 0] > 0).astype(int) + 2 * (x[:, 1] > 0)
+        >>> 0 < prediction_residual(x, labels, one_hot=True) < 1
+        True
+    """
+    if one_hot:
+        x = as_float64_matrix(features, "features")
+        labels = as_int_labels(targets, x.shape[0], "targets", device=x.device)
+        _, targets = torch.unique(labels, return_inverse=True)  # dense ids 0..q−1
+        stats = ResidualStats(num_classes=int(targets.max()) + 1).update(x, targets)
+    else:
+        stats = ResidualStats().update(features, targets)
+    value = stats.residual()
+    if value != value:
+        raise ValueError("`targets` are constant, so PR = RSS / TSS is 0/0; pass varying targets")
+    return value

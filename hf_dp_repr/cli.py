@@ -1,0 +1,81 @@
+"""`hf-dp-repr` command line.
+
+    hf-dp-repr privacy --sample-rate 0.01 --noise-multiplier 1.1 --steps 10000 --delta 1e-5
+    hf-dp-repr privacy --sample-rate 0.01 --target-epsilon 8 --steps 10000 --delta 1e-5 --accountant rdp
+
+`privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
+`steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+from .config import ACCOUNTANTS
+from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+def _add_privacy_parser(subparsers) -> None:
+    p = subparsers.add_parser("privacy", help="ε of a planned DP-SGD run, or the σ that reaches a target ε.",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sample-rate", type=_probability, required=True, help="Poisson sampling rate q = batch / n.")
+    p.add_argument("--steps", type=int, required=True, help="Number of DP-SGD steps.")
+    p.add_argument("--delta", type=_probability, required=True, help="δ of the (ε, δ) guarantee.")
+    noise = p.add_mutually_exclusive_group(required=True)
+    noise.add_argument("--noise-multiplier", type=float, help="σ: noise std / clipping norm.")
+    noise.add_argument("--target-epsilon", type=_positive_float, help="ε to reach: σ is calibrated.")
+    p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv", help="Opacus accountant (default prv).")
+    p.set_defaults(func=run_privacy)
+
+
+def run_privacy(args: argparse.Namespace) -> int:
+    if args.steps <= 0:
+        raise SystemExit("hf-dp-repr privacy: --steps must be > 0")
+    result = {"sample_rate": args.sample_rate, "steps": args.steps, "delta": args.delta, "accountant": args.accountant}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus' notes on RDP orders / GDP go to stderr noise otherwise
+        if args.target_epsilon is not None:
+            sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, args.sample_rate, args.steps,
+                                               args.accountant)
+            result["target_epsilon"] = args.target_epsilon
+        else:
+            if args.noise_multiplier < 0:
+                raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0")
+            sigma = args.noise_multiplier
+        result["noise_multiplier"] = sigma
+        result["epsilon"] = compute_epsilon([(sigma, args.sample_rate, args.steps)], args.delta, args.accountant)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_privacy_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Per-sample gradient rules for Hugging Face modules that Opacus has none for, registered into Opacus'
+own registry (`opacus.grad_sample.register_grad_sampler`) when this module is imported.
+
+Without them Opacus falls back to functorch, which re-runs each module per example: correct but slow.
+Each rule receives the module's inputs (`activations`) and the gradient of the loss with respect to its
+output (`backprops`), both with the batch first, and returns {parameter: per-sample gradient}.
+"""
+
+from __future__ import annotations
+
+import torch
+from opacus.grad_sample import register_grad_sampler
+from transformers.models.vit.modeling_vit import ViTEmbeddings
+from transformers.pytorch_utils import Conv1D
+
+
+@register_grad_sampler(Conv1D)
+def conv1d_grad_sample(layer: Conv1D, activations: list[torch.Tensor], backprops: torch.Tensor) -> dict:
+    """GPT-2's Conv1D is a linear layer y = x·W + b with W stored as (in, out)."""
+    x = activations[0]
+    grads = {}
+    if layer.weight.requires_grad:
+        grads[layer.weight] = torch.einsum("n...i,n...j->nij", x, backprops)
+    if layer.bias is not None and layer.bias.requires_grad:
+        grads[layer.bias] = torch.einsum("n...k->nk", backprops)
+    return grads
+
+
+@register_grad_sampler(ViTEmbeddings)
+def vit_embeddings_grad_sample(layer: ViTEmbeddings, activations: list[torch.Tensor], backprops: torch.Tensor) -> dict:
+    """ViT's bare `cls_token` and `position_embeddings` are added to the output, so their per-sample
+    gradients are slices of `backprops`. The patch projection (a Conv2d child) has its own Opacus rule."""
+    if layer.training and layer.dropout.p > 0:
+        raise ValueError(
+            "ViTEmbeddings: per-sample gradients of cls_token/position_embeddings are only exact without "
+            "embedding dropout; set config.hidden_dropout_prob=0 (the usual DP setting)."
+        )
+    if backprops.shape[1] != layer.position_embeddings.shape[1]:
+        raise ValueError(
+            "ViTEmbeddings: interpolate_pos_encoding is not supported under DP; feed images of the "
+            f"model's size {tuple(layer.image_size)}."
+        )
+    grads = {}
+    if layer.cls_token.requires_grad:
+        grads[layer.cls_token] = backprops[:, None, :1]
+    if layer.position_embeddings.requires_grad:
+        grads[layer.position_embeddings] = backprops[:, None]
+    return grads

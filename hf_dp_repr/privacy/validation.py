@@ -1,0 +1,43 @@
+"""Refuse, before anything is trained or written, models that DP-SGD cannot train privately."""
+
+from __future__ import annotations
+
+from opacus.grad_sample.grad_sample_module import GradSampleModule
+from opacus.validators import ModuleValidator
+from torch import nn
+from transformers.models.vit.modeling_vit import ViTEmbeddings
+
+
+class NotPrivatizableError(ValueError):
+    """The model has modules whose training would break the DP guarantee or its per-sample gradients."""
+
+
+def check_model_is_privatizable(model: nn.Module) -> None:
+    """Raise `NotPrivatizableError` naming every offending module path and the fix."""
+    problems = []
+    for name, module in model.named_modules():
+        path = name or "<root>"
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # Even frozen, BatchNorm in train mode mixes examples within a batch and stores private batch statistics.
+            problems.append(
+                f"{path} ({type(module).__name__}): batch statistics mix examples and leak through running stats. "
+                "Fix: `model = opacus.validators.ModuleValidator.fix(model)` (replaces it with GroupNorm)."
+            )
+            continue
+        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if not trainable:
+            continue
+        validator = ModuleValidator.VALIDATORS.get(type(module))
+        for err in validator(module) if validator else []:
+            problems.append(f"{path} ({type(module).__name__}): {err}. Fix: `opacus.validators.ModuleValidator.fix(model)`.")
+        if isinstance(module, ViTEmbeddings) and module.dropout.p > 0:
+            problems.append(
+                f"{path} (ViTEmbeddings): embedding dropout p={module.dropout.p} makes per-sample gradients of "
+                "cls_token/position_embeddings inexact. Fix: set config.hidden_dropout_prob=0."
+            )
+    for err in GradSampleModule.validate(model, strict=False):
+        problems.append(f"{err}. Fix: freeze that module (requires_grad=False) or replace it.")
+    if problems:
+        raise NotPrivatizableError(
+            "This model cannot be trained with DP-SGD as it is:\n  - " + "\n  - ".join(problems)
+        )
