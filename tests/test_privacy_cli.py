@@ -1,0 +1,47 @@
+"""`hf-dp-repr privacy` against Opacus' accountants, and σ calibration."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from opacus.accountants import create_accountant
+
+from hf_dp_repr.cli import main
+
+
+def run_cli(capsys, *argv):
+    assert main(["privacy", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
+def test_epsilon_agrees_with_opacus(accountant, capsys):
+    out = run_cli(capsys, "--sample-rate", "0.004", "--noise-multiplier", "1.1", "--steps", "2500",
+                  "--delta", "1e-5", "--accountant", accountant)
+    reference = create_accountant(mechanism=accountant)
+    reference.history = [(1.1, 0.004, 2500)]
+    assert out["epsilon"] == pytest.approx(reference.get_epsilon(delta=1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+@pytest.mark.parametrize("target", [0.5, 1.0, 8.0])
+def test_calibrated_sigma_reaches_target_within_one_percent(target, accountant, capsys):
+    out = run_cli(capsys, "--sample-rate", "0.01", "--target-epsilon", str(target), "--steps", "1000",
+                  "--delta", "1e-5", "--accountant", accountant)
+    reference = create_accountant(mechanism=accountant)
+    reference.history = [(out["noise_multiplier"], 0.01, 1000)]
+    reached = reference.get_epsilon(delta=1e-5)
+    assert 0.99 * target <= reached <= target  # never above the budget
+    assert out["epsilon"] == pytest.approx(reached, rel=1e-9)
+
+
+def test_console_script_and_bad_input():
+    ok = subprocess.run([sys.executable, "-m", "hf_dp_repr.cli", "privacy", "--sample-rate", "0.01",
+                         "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["epsilon"] > 0
+    bad = subprocess.run([sys.executable, "-m", "hf_dp_repr.cli", "privacy", "--sample-rate", "1.5",
+                          "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--sample-rate" in bad.stderr
