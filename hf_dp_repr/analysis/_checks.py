@@ -64,3 +64,13 @@ def as_float64_targets(y: Any, n: int, name: str = "targets", device: torch.devi
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"`{name}` has non-finite values (NaN or inf); drop those rows")
     return t
+
+
+def input_eps(x: Any) -> float:
+    """Machine epsilon of the precision `x` was computed in (float32 features carry float32 rounding)."""
+    dtype = x.dtype if isinstance(x, torch.Tensor) else getattr(np.asarray(x), "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return torch.finfo(dtype).eps if dtype.is_floating_point else float(np.finfo(np.float64).eps)
+    if dtype is not None and np.issubdtype(dtype, np.floating):
+        return float(np.finfo(dtype).eps)
+    return float(np.finfo(np.float64).eps)

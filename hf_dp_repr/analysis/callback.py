@@ -12,7 +12,7 @@ Files (main process only), in `args.output_dir`: `representation_law.json` (ever
 `representation_law.png` (log-scale D_l and PR_l against layer, one line per analysis).
 
 Example:
-    >>> from transformers import Trainer, TrainingArguments
+    >>> from transformers import PrinterCallback, Trainer, TrainingArguments
     >>> from hf_dp_repr.data import load_digits_dataset
     >>> from hf_dp_repr.tiny import tiny_vit
     >>> from hf_dp_repr.analysis import RepresentationLawCallback
@@ -21,6 +21,7 @@ Example:
     >>> args = TrainingArguments(tempfile.mkdtemp(), max_steps=2, report_to="none", disable_tqdm=True,
     ...                          per_device_train_batch_size=32, use_cpu=True)
     >>> trainer = Trainer(model=tiny_vit(), args=args, train_dataset=ds["train"], eval_dataset=ds["test"])
+    >>> trainer.remove_callback(PrinterCallback)  # keep the example's output quiet
     >>> trainer.add_callback(RepresentationLawCallback(trainer=trainer))
     >>> _ = trainer.train()
     >>> any("repr/fuzziness/rho" in entry for entry in trainer.state.log_history)

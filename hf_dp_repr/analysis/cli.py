@@ -16,9 +16,10 @@ Example (in Python; on the command line the same arguments follow `hf-dp-repr an
     >>> from hf_dp_repr.tiny import tiny_vit
     >>> from hf_dp_repr.analysis.cli import add_analyze_parser, run_analyze
     >>> path = tempfile.mkdtemp(); tiny_vit().save_pretrained(path)
-    >>> parser = argparse.ArgumentParser(); add_analyze_parser(parser.add_subparsers())
+    >>> parser = argparse.ArgumentParser(); _ = add_analyze_parser(parser.add_subparsers())
     >>> args = parser.parse_args(["analyze", "--model", path, "--dataset", "digits", "--out", path + "/law"])
-    >>> args.func(args)
+    >>> args.func(args)  # doctest: +ELLIPSIS
+    wrote .../law/representation_law.json and .../law/representation_law.png
     0
 """
 
@@ -107,6 +108,11 @@ def _load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, TypeError):  # no tokenizer files saved with the model
         tokenizer = None
+    # transformers 5 builds an empty tokenizer (vocab 0) for a checkpoint saved without tokenizer files.
+    if tokenizer is not None and not tokenizer("hello world", add_special_tokens=False)["input_ids"]:
+        tokenizer = None
+    if tokenizer is None:
+        logger.warning("%s has no tokenizer: text datasets use the byte-level fallback (see corpus.py)", name)
     return model.to(device).eval(), tokenizer
 
 

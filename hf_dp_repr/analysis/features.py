@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -95,6 +96,10 @@ def analyze_representations(
     if not res:
         raise ValueError("no rows to analyse: the dataset is empty or has no predicted positions "
                          "(language sequences need at least 2 non-padding tokens)")
+    dim = max(stats.dim for stats in res)
+    if positions <= dim + 1:
+        warnings.warn(f"only {positions} rows for {dim}-dim features: the least-squares fit is exact, so PR_l "
+                      f"≈ 0 says nothing about the layers; analyse more than {dim + 1} examples/tokens")
     residual = [stats.residual() for stats in res]
     fuzziness = [stats.fuzziness() for stats in sep] if sep else None
     notes = [LAYER0_NOTE] if task == VISION and pooling == "cls" else []

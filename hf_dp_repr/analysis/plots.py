@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from .report import RepresentationReport
 
@@ -51,6 +52,7 @@ def plot_laws(curves: Mapping[str, RepresentationReport], path: str | Path, titl
             legend = label if law is None else f"{label} (ρ={law.rho:.2f})"
             ax.plot(layers, [values[layer] for layer in layers], marker="o", label=legend)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer (0 = embedding output)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)

@@ -11,8 +11,10 @@ and centres SS_w on the wrong mean; we follow He & Su, whose code computes `trac
 
 Numerics: everything is float64. SS_b⁺ is built from the SVD of the K × d matrix M whose rows are
 sqrt(n_k / n)(x̄_k − x̄) (so SS_b = MᵀM), truncated to rank K − 1: with M = U Σ Vᵀ,
-D = Σ_j v_jᵀ SS_w v_j / σ_j². A float32 `pinv` of the d × d SS_b is dominated by rounding noise in the
-d − K + 1 null directions, which is why it is not used.
+D = Σ_j v_jᵀ SS_w v_j / σ_j². Directions with σ_j below σ_max · max(K, d) · eps are dropped too (numpy's
+pinv rule), with eps the machine epsilon of the features' dtype: float32 features confined to fewer than
+K − 1 dims would otherwise turn their rounding noise into huge terms. A float32 `pinv` of the d × d SS_b is
+dominated by rounding noise in its d − K + 1 null directions, which is why it is not used.
 
 Example:
     >>> import numpy as np
@@ -31,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ._checks import as_float64_matrix, as_int_labels
+from ._checks import as_float64_matrix, as_int_labels, input_eps
 
 __all__ = ["SeparationStats", "separation_fuzziness"]
 
@@ -48,7 +50,7 @@ class SeparationStats:
         >>> stats = SeparationStats()
         >>> x, y = torch.randn(100, 5), torch.arange(100) % 3
         >>> for i in range(0, 100, 32):
-        ...     stats.update(x[i:i + 32], y[i:i + 32])
+        ...     _ = stats.update(x[i:i + 32], y[i:i + 32])
         >>> abs(stats.fuzziness() - separation_fuzziness(x, y)) < 1e-9
         True
     """
@@ -59,6 +61,7 @@ class SeparationStats:
         self.counts: torch.Tensor | None = None  # (K,) float64
         self.means: torch.Tensor | None = None  # (K, d) float64
         self.within: torch.Tensor | None = None  # (d, d) float64, Σ_k Σ_i (x − x̄_k)(x − x̄_k)ᵀ
+        self.input_eps = float(torch.finfo(torch.float64).eps)  # coarsest precision of the features seen
 
     @property
     def num_classes(self) -> int:
@@ -68,6 +71,7 @@ class SeparationStats:
         """Add a batch: `features` (m × d) and integer `labels` (m,). Returns self."""
         x = as_float64_matrix(features, "features")
         y = as_int_labels(labels, x.shape[0], "labels", device=x.device)
+        self.input_eps = max(self.input_eps, input_eps(features))
         if self.within is None:
             d = x.shape[1]
             self.counts = x.new_zeros(0)
@@ -116,8 +120,9 @@ class SeparationStats:
         weighted = self._weighted_centred_means()
         _, sing, vh = torch.linalg.svd(weighted, full_matrices=False)
         rank = self.num_classes - 1
-        # Also drop directions that are zero up to rounding (pinv's rule), e.g. two classes with equal means.
-        tol = sing[0] * max(weighted.shape) * torch.finfo(torch.float64).eps
+        # Also drop directions that are zero up to rounding at the features' own precision (pinv's rule):
+        # e.g. equal class means, or means confined to fewer than K − 1 dims but for float32 rounding.
+        tol = sing[0] * max(weighted.shape) * self.input_eps
         keep = sing[:rank] > tol
         if not bool(keep.any()):
             return float("nan")
