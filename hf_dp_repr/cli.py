@@ -3,6 +3,8 @@
     hf-dp-repr privacy --sample-rate 0.01 --noise-multiplier 1.1 --steps 10000 --delta 1e-5
     hf-dp-repr privacy --sample-rate 0.01 --target-epsilon 8 --steps 10000 --delta 1e-5 --accountant rdp
 
+    hf-dp-repr analyze --model out/ --dataset digits --out report/
+
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
 `steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
 """
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_privacy_parser(subparsers)
+    from .analysis.cli import add_analyze_parser
+
+    add_analyze_parser(subparsers)
     return parser
 
 
