@@ -9,6 +9,9 @@
 
     python benchmarks/bench_analysis.py                       # ViT-S-like (12 × 384) on 32×32, 2000 images
     python benchmarks/bench_analysis.py --vision tiny --examples 2000 --repeats 5
+
+Timings on a machine shared with other jobs swing widely (OpenMP threads stall when cores are busy); the
+interleaved rounds and medians damp that, `--threads 1` avoids most of it.
 """
 
 from __future__ import annotations
@@ -123,9 +126,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32_000, help="smaller token count of the memory test (×4 too)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); 1 is steadier on a busy shared machine")
     p.add_argument("--skip-time", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not args.skip_time:
         time_vision(args)
     if not args.skip_memory:

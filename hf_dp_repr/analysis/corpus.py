@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from functools import lru_cache
 from typing import Any
 
@@ -39,17 +40,20 @@ STDLIB_MODULES = (
 def stdlib_text() -> str:
     """Docstrings of `STDLIB_MODULES` and their public members, separated by blank lines."""
     parts: list[str] = []
-    for name in STDLIB_MODULES:
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for attr, obj in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-                continue
-            if inspect.isclass(obj) or inspect.isfunction(obj):
+    with warnings.catch_warnings():  # reading typing.io / typing.re docstrings warns of their deprecation
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in STDLIB_MODULES:
+            module = importlib.import_module(name)
+            parts.append(inspect.getdoc(module) or "")
+            for attr, obj in sorted(vars(module).items()):
+                if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                    continue
+                if getattr(obj, "__module__", None) != module.__name__:
+                    continue
                 parts.append(inspect.getdoc(obj) or "")
-            if inspect.isclass(obj):
-                parts.extend(inspect.getdoc(m) or "" for a, m in sorted(vars(obj).items())
-                             if not a.startswith("_") and inspect.isfunction(m))
+                if inspect.isclass(obj):
+                    parts.extend(inspect.getdoc(m) or "" for a, m in sorted(vars(obj).items())
+                                 if not a.startswith("_") and inspect.isfunction(m))
     text = "\n\n".join(p for p in parts if p)
     if len(text) < 10_000:
         raise RuntimeError("the stdlib docstrings are missing (is Python running with -OO?); "
