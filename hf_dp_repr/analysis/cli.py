@@ -111,8 +111,6 @@ def _load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
     # transformers 5 builds an empty tokenizer (vocab 0) for a checkpoint saved without tokenizer files.
     if tokenizer is not None and not tokenizer("hello world", add_special_tokens=False)["input_ids"]:
         tokenizer = None
-    if tokenizer is None:
-        logger.warning("%s has no tokenizer: text datasets use the byte-level fallback (see corpus.py)", name)
     return model.to(device).eval(), tokenizer
 
 
@@ -124,6 +122,8 @@ def _load_split(args, split: str, name: str, model, tokenizer) -> Any:
     if args.dataset == "stdlib-docs":
         from .corpus import load_text_dataset
 
+        if tokenizer is None:
+            logger.warning("%s has no tokenizer: using the byte-level fallback (see corpus.py)", name)
         block = min(args.block_size, getattr(model.config, "max_position_embeddings", None) or args.block_size)
         return _pick(load_text_dataset(tokenizer, vocab_size=model.config.vocab_size, block_size=block), split)
     import datasets
