@@ -1,0 +1,190 @@
+"""The DP model card: a Jinja template in `model_cards/` rendered through `huggingface_hub.ModelCard`.
+
+`DPTrainer` writes `README.md` (this card) next to every saved model, after the privacy ledger, so that what is
+pushed to the Hub states the guarantee: ε (from the accountant), δ, accountant, σ (or one row per phase),
+clipping norm, sampling, steps, epochs, dataset size, public vs private data, trained scope, library versions,
+evaluation metrics (`all_results.json`) and the representation-law fits (`representation_law.json`).
+
+What the trainer cannot know, the caller says through `trainer.model_card_info` (a dict, all keys optional):
+`private_data`, `public_data` (one-line descriptions), `base_model` (Hub name or path), `datasets` (Hub
+dataset ids, for the card's metadata), `model_name`, `analysis_data` (what the representation laws were
+measured on), `license`.
+
+Example:
+    >>> from types import SimpleNamespace
+    >>> from hf_dp_repr.privacy.accounting import PrivacyLedger
+    >>> led = PrivacyLedger(accountant="prv", target_delta=1e-5, noise_multiplier=1.1, sample_rate=0.01,
+    ...     planned_steps=100, per_sample_max_grad_norm=1.0, clipping="flat", expected_batch_size=64,
+    ...     dataset_size=6400, poisson_sampling=True, target_epsilon=3.0, history=[(1.1, 0.01, 100)])
+    >>> card = render_model_card(led.to_dict(), model_card_info={"private_data": "my records"})
+    >>> "differential-privacy" in card.data.tags, "my records" in card.text
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from importlib import resources
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .privacy.accounting import LEDGER_FILE
+
+TEMPLATE_NAME = "dp_model_card.md"
+RESULTS_FILE = "all_results.json"
+LAW_FILE = "representation_law.json"
+CARD_FILE = "README.md"
+TAGS = ["differential-privacy", "dp-sgd", "opacus", "hf-dp-repr"]
+_VERSIONED = ("hf_dp_repr", "torch", "transformers", "opacus", "accelerate", "datasets", "peft", "huggingface_hub")
+
+
+def template_path() -> str:
+    """Path of the card template: `model_cards/dp_model_card.md`, shipped in the package as `templates/`."""
+    return str(resources.files("hf_dp_repr").joinpath("templates", TEMPLATE_NAME))
+
+
+def write_model_card(trainer, output_dir: str | os.PathLike) -> ModelCard:
+    """Render the DP model card of `trainer`'s run and save it as `output_dir/README.md`; returns the card.
+
+    Reads the ledger from the trainer (or `output_dir/privacy_ledger.json`), the trained scope from
+    `trainer.describe_scope()` if the trainer has it, eval metrics from `output_dir/all_results.json` and the
+    law fits from `output_dir/representation_law.json` when those files exist.
+    """
+    output_dir = Path(output_dir)
+    ledger = trainer.ledger.to_dict() if getattr(trainer, "ledger", None) is not None else _load_json(
+        output_dir / LEDGER_FILE)
+    if ledger is None:
+        raise ValueError(f"write_model_card: the trainer has no privacy ledger and {output_dir / LEDGER_FILE} does "
+                         "not exist; train with DPTrainer before writing a DP model card.")
+    describe = getattr(trainer, "describe_scope", None)
+    scope = describe() if callable(describe) else "all parameters"
+    info = dict(getattr(trainer, "model_card_info", None) or {})
+    model = getattr(trainer, "model", None)
+    if "base_model" not in info and model is not None:
+        info["base_model"] = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    card = render_model_card(ledger, model_card_info=info, scope=scope, output_dir=output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    card.save(output_dir / CARD_FILE)
+    return card
+
+
+def render_model_card(ledger: dict, *, model_card_info: dict | None = None, scope: str = "all parameters",
+                      output_dir: str | os.PathLike | None = None) -> ModelCard:
+    """Render the card from a ledger dict (`PrivacyLedger.to_dict()`) and what `output_dir` holds."""
+    info = dict(model_card_info or {})
+    results = _load_json(Path(output_dir) / RESULTS_FILE) if output_dir is not None else None
+    laws = _load_json(Path(output_dir) / LAW_FILE) if output_dir is not None else None
+    base_model = info.get("base_model")
+    hub_base = base_model if _looks_like_hub_id(base_model) else None
+    datasets_ = [d for d in info.get("datasets", []) if _looks_like_hub_id(d)]
+    card_data = ModelCardData(
+        library_name="transformers", tags=list(TAGS), base_model=hub_base, datasets=datasets_ or None,
+        license=info.get("license"),
+    )
+    return ModelCard.from_template(card_data, template_path=template_path(),
+                                   **_template_values(ledger, info, scope, results, laws))
+
+
+def _template_values(led: dict, info: dict, scope: str, results: dict | None, laws: dict | None) -> dict:
+    phases = led.get("phases") or []
+    sigmas = [p["noise_multiplier"] for p in phases] or [led.get("noise_multiplier")]
+    private = all(s is not None and s > 0 for s in sigmas)
+    eps = led.get("epsilon")
+    n = led["dataset_size"]
+    steps = led.get("steps_done", sum(int(t) for _, _, t in led.get("history", [])))
+    if phases:
+        examples = sum(p["steps"] * p["expected_batch_size"] for p in phases)
+        sigma_text = "per phase, see the table below"
+        sampling = "Poisson sampling, per phase (see the table below)"
+    else:
+        examples = steps * led["expected_batch_size"]
+        sigma_text = _fmt(led["noise_multiplier"])
+        sampling = (f"{'Poisson' if led['poisson_sampling'] else 'shuffled fixed-size'} batches, sample rate "
+                    f"q = {_fmt(led['sample_rate'])} (expected logical batch {led['expected_batch_size']})")
+    target = led.get("target_epsilon")
+    base_model = info.get("base_model")
+    summary = (f"(ε = {_fmt(eps)}, δ = {led['target_delta']:g})-differentially private." if private and eps is not None
+               else "Not differentially private: a non-private reference run (noise_multiplier = 0).")
+    return dict(
+        model_name=info.get("model_name") or "DP fine-tuned model",
+        summary=summary,
+        private=private,
+        epsilon_text=_fmt(eps) if eps is not None else "not computed",
+        delta=f"{led['target_delta']:g}",
+        target_epsilon_text=_fmt(target) if target is not None else "none (σ given)",
+        accountant=led["accountant"],
+        sigma_text=sigma_text,
+        clip_norm=_fmt(led["per_sample_max_grad_norm"]),
+        clipping=led["clipping"],
+        sampling_text=sampling,
+        poisson_sampling=led.get("poisson_sampling", True),
+        steps_done=steps,
+        planned_steps=led.get("planned_steps", "?"),
+        epochs_text=_fmt(examples / n) if n else "?",
+        dataset_size=n,
+        world_size=led.get("world_size", 1),
+        phases=[{k: _fmt(v) if isinstance(v, float) else v for k, v in p.items()} for p in phases],
+        private_data=info.get("private_data") or f"the training set given to DPTrainer ({n} examples)",
+        public_data=info.get("public_data") or "none stated (pre-trained base weights, if any, are public)",
+        base_model_text=base_model or "not recorded",
+        scope=scope,
+        metrics=[(k, _fmt(v)) for k, v in sorted((results or {}).items()) if isinstance(v, (int, float))],
+        laws=_law_rows(laws),
+        analysis_data=info.get("analysis_data") or "the evaluation set",
+        versions=_versions(),
+        has_results=results is not None,
+        has_laws=laws is not None,
+    )
+
+
+def _law_rows(laws: dict | None) -> list[dict]:
+    rows = []
+    for entry in (laws or {}).get("analyses", []):
+        label = f"step {entry.get('step')} ({entry.get('event', '?')})"
+        for law_name, key in (("separation fuzziness D_l", "fuzziness_law"), ("prediction residual PR_l",
+                                                                              "residual_law")):
+            fit = entry.get(key)
+            if fit:
+                layers = fit.get("layers") or []
+                rows.append(dict(label=label, law=law_name, rho=_fmt(fit["rho"]), r=_fmt(fit.get("r")),
+                                 layers=f"{layers[0]}..{layers[-1]}" if layers else "?"))
+    return rows
+
+
+def _versions() -> list[tuple[str, str]]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in _VERSIONED:
+        try:
+            out.append((name.replace("_", "-") if name == "hf_dp_repr" else name, version(name.replace("_", "-"))))
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "∞"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _looks_like_hub_id(name) -> bool:
+    """`org/name` or `name`, not a local path (which the Hub metadata must not carry)."""
+    if not isinstance(name, str) or not name or os.path.exists(name) or name.startswith((".", "/", "~")):
+        return False
+    return name.count("/") <= 1 and " " not in name
