@@ -62,6 +62,43 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "Sample batches from OS entropy and draw noise with Opacus' secure_mode (resists "
                   "floating-point attacks). Slower; single process only."},
     )
+    trainable_blocks: int | None = field(
+        default=None,
+        metadata={"help": "Train only the last k transformer blocks, the modules after them (final norm, pooler) "
+                  "and the task head; 0 = linear probe (head only); None (default) = every parameter. Embeddings "
+                  "train only with None."},
+    )
+    block_stack: str | None = field(
+        default=None,
+        metadata={"help": "Dotted name of the model's list of transformer blocks (e.g. 'encoder.layer'), for models "
+                  "where it is not found automatically (the largest ModuleList of identical modules)."},
+    )
+    lp_steps: float = field(
+        default=0,
+        metadata={"help": "Linear probe then fine-tune (DP-LP→FFT): optimizer steps of a first phase that trains "
+                  "the head alone, before the trainable_blocks scope trains. < 1: a fraction of the planned steps; "
+                  ">= 1: a number of steps; 0 (default): no linear-probing phase."},
+    )
+    lp_epsilon_fraction: float | None = field(
+        default=None,
+        metadata={"help": "Share of target_epsilon spent by the linear-probing phase (its σ is calibrated for it "
+                  "alone; the fine-tuning σ so that the composition spends exactly target_epsilon). None: one σ "
+                  "for both phases, calibrated on their composition."},
+    )
+    lp_per_device_train_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Per-device batch size of the linear-probing phase (default: per_device_train_batch_size)."},
+    )
+    lp_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Constant learning rate of the linear-probing phase (default: learning_rate)."},
+    )
+    cache_features: bool | None = field(
+        default=None,
+        metadata={"help": "Linear probing (trainable_blocks=0) on backbone features computed once, so an epoch "
+                  "costs a head-sized step. None (default): when the backbone is deterministic and the dataset has "
+                  "no transform; False: never (e.g. with random augmentation); True: always (eval-mode features)."},
+    )
     # Trainer's own clipping would clip the *non-private* summed gradient and log its norm: a leak.
     max_grad_norm: float = field(
         default=0.0,
@@ -108,8 +145,44 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
             f"DPTrainingArguments: max_grad_norm={args.max_grad_norm} would clip the summed, non-private gradient "
             "and log its norm. Leave it at 0 and set per_sample_max_grad_norm for per-example clipping."
         )
+    if args.trainable_blocks is not None and args.trainable_blocks < 0:
+        raise ValueError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
+                         "(0 = linear probe: head only; None = train every parameter).")
+    _validate_lp_fields(args)
     if args.auto_find_batch_size:
         raise ValueError(
             "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "
             "accounting. Set per_device_train_batch_size and gradient_accumulation_steps yourself."
         )
+
+
+def _validate_lp_fields(args: DPTrainingArguments) -> None:
+    if args.lp_steps < 0:
+        raise ValueError(f"DPTrainingArguments: lp_steps={args.lp_steps} must be >= 0 (0 = no linear-probing phase).")
+    if not args.lp_steps:
+        extra = [n for n in ("lp_epsilon_fraction", "lp_per_device_train_batch_size", "lp_learning_rate")
+                 if getattr(args, n) is not None]
+        if extra:
+            raise ValueError(f"DPTrainingArguments: {', '.join(extra)} set but lp_steps=0: there is no linear-probing "
+                             "phase. Set lp_steps (e.g. 0.2 for the first 20 % of the steps) or drop them.")
+        return
+    if args.trainable_blocks == 0:
+        raise ValueError("DPTrainingArguments: lp_steps with trainable_blocks=0 would linear-probe twice. Set "
+                         "trainable_blocks to the fine-tuning scope (None = all) or drop lp_steps.")
+    if args.lp_steps >= 1 and args.lp_steps != int(args.lp_steps):
+        raise ValueError(f"DPTrainingArguments: lp_steps={args.lp_steps}: a number of steps must be whole "
+                         "(or < 1 for a fraction of the planned steps).")
+    frac = args.lp_epsilon_fraction
+    if frac is not None and not 0 < frac < 1:
+        raise ValueError(f"DPTrainingArguments: lp_epsilon_fraction={frac} must be in (0, 1).")
+    if frac is not None and args.target_epsilon is None:
+        raise ValueError("DPTrainingArguments: lp_epsilon_fraction splits target_epsilon; set target_epsilon "
+                         "(or drop lp_epsilon_fraction to use noise_multiplier in both phases).")
+    if args.clipping == "per_layer":
+        raise ValueError("DPTrainingArguments: clipping='per_layer' splits C over a fixed set of tensors, which "
+                         "changes between the linear-probe and fine-tune phases. Use clipping='flat' or 'automatic'.")
+    if args.lp_per_device_train_batch_size is not None and not args.poisson_sampling:
+        raise ValueError("DPTrainingArguments: lp_per_device_train_batch_size needs poisson_sampling=True "
+                         "(fixed-size shuffled batches cannot change size mid-run).")
+    if args.lp_steps and args.accountant == "gdp":
+        raise ValueError("DPTrainingArguments: the 'gdp' accountant cannot compose two phases; use 'prv' or 'rdp'.")

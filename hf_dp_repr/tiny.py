@@ -10,9 +10,13 @@ Example:
 from __future__ import annotations
 
 from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
     GPT2Config,
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -55,6 +59,8 @@ def tiny_gpt2_config(vocab_size: int = 128, n_positions: int = 64, **overrides) 
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         pad_token_id=0,
+        bos_token_id=vocab_size - 1,
+        eos_token_id=vocab_size - 1,
     )
     kwargs.update(overrides)
     return GPT2Config(**kwargs)
@@ -72,3 +78,28 @@ def tiny_gpt2_classifier(num_labels: int = 2, seed: int = 0, **overrides) -> GPT
 
     torch.manual_seed(seed)
     return GPT2ForSequenceClassification(tiny_gpt2_config(num_labels=num_labels, **overrides))
+
+
+def tiny_bert_classifier(num_labels: int = 2, vocab_size: int = 128, seed: int = 0,
+                         **overrides) -> BertForSequenceClassification:
+    """A 2-block BERT of width 32 with a pooler and a classification head (dropout off)."""
+    import torch
+
+    kwargs = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, num_labels=num_labels, pad_token_id=0)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(BertConfig(**kwargs))
+
+
+def tiny_llama(vocab_size: int = 128, seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A 2-block Llama-style causal LM of width 32 (RMSNorm, rotary positions, untied lm_head)."""
+    import torch
+
+    kwargs = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, pad_token_id=0,
+                  tie_word_embeddings=False)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**kwargs))

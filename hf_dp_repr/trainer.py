@@ -31,24 +31,33 @@ import datasets
 import torch
 from opacus.grad_sample import GradSampleHooks
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, default_data_collator
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import ModelOutput
 from transformers.utils import logging
 
+from .cached_head import NotCacheable, compute_head_inputs, data_reason_not_to_cache, structural_reason_not_to_cache
 from .config import DPTrainingArguments
 from .privacy import grad_samplers  # noqa: F401  (registers HF grad samplers into Opacus)
-from .privacy.accounting import LEDGER_FILE, PrivacyLedger, calibrate_noise_multiplier
+from .privacy.accounting import (
+    LEDGER_FILE,
+    Phase,
+    PrivacyLedger,
+    calibrate_last_phase,
+    calibrate_noise_multiplier,
+)
 from .privacy.loss import per_example_loss
 from .privacy.optimizer import make_dp_optimizer
 from .privacy.sampler import PoissonBatchSampler, ShuffledBatchSampler
 from .privacy.validation import check_model_is_privatizable
+from .scope import Scope, describe_trainable, find_block_stack, select_scope
 
 logger = logging.get_logger(__name__)
 
 # Ledger fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
-_RESUME_INVARIANTS = ("accountant", "target_delta", "noise_multiplier", "sample_rate", "planned_steps",
-                      "per_sample_max_grad_norm", "clipping", "expected_batch_size", "dataset_size", "world_size")
+_RESUME_INVARIANTS = ("accountant", "target_delta", "phases", "per_sample_max_grad_norm", "clipping", "dataset_size",
+                      "world_size")
 
 
 class DPTrainer(Trainer):
@@ -58,7 +67,8 @@ class DPTrainer(Trainer):
     data and is not covered by the DP guarantee (which covers the weights); ε is logged as `epsilon`.
     """
 
-    def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, **kwargs):
+    def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, peft_config=None,
+                 **kwargs):
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
         if kwargs.get("compute_loss_func") is not None:
@@ -68,10 +78,27 @@ class DPTrainer(Trainer):
             )
         if train_dataset is not None:
             _check_train_dataset(train_dataset, args)
+        if peft_config is not None:
+            if model is None:
+                raise ValueError("DPTrainer: peft_config needs a model to wrap.")
+            from .lora import apply_peft_config
+
+            model = apply_peft_config(model, peft_config)
+        elif model is not None and hasattr(model, "peft_config"):
+            from .lora import check_peft_model
+
+            check_peft_model(model)
         if model is not None:
             check_model_is_privatizable(model)
+        self._scopes = _phase_scopes(model, args) if model is not None else []
+        if self._scopes:
+            self._scopes[-1].apply(model)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.ledger: PrivacyLedger | None = None
+        self._plan: PrivacyLedger | None = None
+        self._applied_phase: int | None = None
+        self._cached_head: str | None = None  # name of the head module trained on cached inputs, if any
+        self._cached_inputs = None
         self._dp_optimizer = None
         self._grad_sample_hooks = None
         self._batch_sampler = None
@@ -79,60 +106,104 @@ class DPTrainer(Trainer):
         self._epsilon_cache: tuple[int, float] | None = None
         self._shifts_labels = _is_causal_lm(self.model)
         self.add_callback(_SamplerEpochCallback(self))
+        for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
+            if hasattr(cb, "attach"):
+                cb.attach(self)
 
     # ---- the privacy plan -------------------------------------------------------------------------
     def privacy_plan(self) -> PrivacyLedger:
-        """The ledger this run will fill: sample rate, planned steps and σ (calibrated if a target ε is set)."""
+        """The ledger this run will fill: its phases (sample rate, steps, σ calibrated if a target ε is set)."""
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> PrivacyLedger:
         args = self.args
         n = len(self.train_dataset)
-        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-        if batch > n:
-            raise ValueError(
-                f"DPTrainer: the logical batch (per_device_train_batch_size × gradient_accumulation_steps × "
-                f"processes = {batch}) exceeds the {n} training examples; lower the batch size."
-            )
+        batch = self._logical_batch(args.per_device_train_batch_size, n)
         steps_per_epoch = max(1, n // batch)
         planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-        sample_rate = batch / n
-        sigma = args.noise_multiplier
-        if sigma is None:
-            sigma = calibrate_noise_multiplier(args.target_epsilon, args.target_delta, sample_rate, planned,
-                                               args.accountant)
+        eps, delta, acc = args.target_epsilon, args.target_delta, args.accountant
+        if not args.lp_steps:
+            sigma = args.noise_multiplier
+            if sigma is None:
+                sigma = calibrate_noise_multiplier(eps, delta, batch / n, planned, acc)
+            phases = [Phase("train", sigma, batch / n, planned, batch)]
+        else:
+            lp_steps = round(args.lp_steps * planned) if args.lp_steps < 1 else int(args.lp_steps)
+            if not 1 <= lp_steps < planned:
+                raise ValueError(f"DPTrainer: lp_steps={args.lp_steps} gives {lp_steps} linear-probing steps out of "
+                                 f"{planned} planned; it must leave at least one step to each phase.")
+            lp_batch = self._logical_batch(args.lp_per_device_train_batch_size or args.per_device_train_batch_size, n)
+            q1, q2, ft_steps = lp_batch / n, batch / n, planned - lp_steps
+            if args.noise_multiplier is not None:
+                sigma1 = sigma2 = args.noise_multiplier
+            elif args.lp_epsilon_fraction is None:
+                sigma1 = sigma2 = calibrate_last_phase(eps, delta, [(0.0, q1, lp_steps)], q2, ft_steps, acc,
+                                                       same_sigma=True)
+            else:
+                sigma1 = calibrate_noise_multiplier(args.lp_epsilon_fraction * eps, delta, q1, lp_steps, acc)
+                sigma2 = calibrate_last_phase(eps, delta, [(sigma1, q1, lp_steps)], q2, ft_steps, acc)
+            phases = [Phase("linear_probe", sigma1, q1, lp_steps, lp_batch), Phase("fine_tune", sigma2, q2, ft_steps,
+                                                                                    batch)]
         return PrivacyLedger(
-            accountant=args.accountant, target_delta=args.target_delta, noise_multiplier=sigma,
-            sample_rate=sample_rate, planned_steps=planned, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
-            clipping=args.clipping, expected_batch_size=batch, dataset_size=n,
-            poisson_sampling=args.poisson_sampling, target_epsilon=args.target_epsilon, world_size=args.world_size,
+            accountant=acc, target_delta=delta, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
+            clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
+            target_epsilon=eps, world_size=args.world_size,
         )
+
+    def _logical_batch(self, per_device: int, n: int) -> int:
+        args = self.args
+        batch = per_device * args.gradient_accumulation_steps * args.world_size
+        if batch > n:
+            raise ValueError(
+                f"DPTrainer: the logical batch (per-device batch × gradient_accumulation_steps × processes = {batch}) "
+                f"exceeds the {n} training examples; lower the batch size."
+            )
+        return batch
 
     # ---- data: Poisson logical batches --------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("DPTrainer: training requires a train_dataset.")
         args = self.args
-        dataset, collator = self.train_dataset, self.data_collator
-        if isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description="training")
+        if self._cached_head is not None:
+            dataset, collator = self._cached_inputs, default_data_collator
         else:
-            collator = self._get_collator_with_removed_columns(collator, description="training")
+            dataset, collator = self._train_dataset_and_collator()
         n = len(dataset)
-        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        plan = self.privacy_plan()
+        batch = plan.phases[-1].expected_batch_size
         common = dict(num_samples=n, steps_per_epoch=max(1, n // batch),
                       micro_batches_per_step=args.gradient_accumulation_steps, world_size=args.world_size,
                       rank=args.process_index, seed=args.data_seed if args.data_seed is not None else args.seed)
         if args.poisson_sampling:
-            self._batch_sampler = PoissonBatchSampler(sample_rate=batch / n, secure=args.secure_mode, **common)
+            rate = plan.phases[0].sample_rate
+            if len(plan.phases) > 1:
+                def rate(step, plan=plan):  # noqa: E306  (the sample rate of the phase the step belongs to)
+                    return plan.phases[plan.phase_index(step)].sample_rate
+            self._batch_sampler = PoissonBatchSampler(sample_rate=rate, secure=args.secure_mode, **common)
         else:
             self._batch_sampler = ShuffledBatchSampler(batch_size=batch, **common)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
         return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=_EmptyAwareCollator(collator),
                           num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
 
+    def _train_dataset_and_collator(self):
+        dataset, collator = self.train_dataset, self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        return dataset, collator
+
     # ---- optimizer: Opacus hooks + DP optimizer -------------------------------------------------------
     def create_optimizer(self, model=None):
         if self._dp_optimizer is not None and self.optimizer is self._dp_optimizer:
             self._attach_hooks()
             return self.optimizer
+        if self._scopes:  # the optimizer and hooks cover every phase's scope; each phase then freezes the rest
+            self._scopes[-1].apply(self.model)
         super().create_optimizer(model)
         self.ledger = self._start_ledger()
         self._attach_hooks()
@@ -144,7 +215,61 @@ class DPTrainer(Trainer):
         self._dp_optimizer.attach_step_hook(lambda _opt: self.ledger.record_step())
         self.optimizer = self._dp_optimizer
         self._announce_plan()
+        self._applied_phase = None
+        self._sync_phase()
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """With a linear-probing phase: a constant `lp_learning_rate` for it, then the configured schedule over
+        the fine-tuning steps alone."""
+        plan = self.privacy_plan()
+        if len(plan.phases) == 1 or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        lp_steps = plan.phases[0].steps
+        base = super().create_scheduler(num_training_steps - lp_steps, optimizer)
+        if not isinstance(base, torch.optim.lr_scheduler.LambdaLR):
+            raise ValueError(f"DPTrainer: lr_scheduler_type={self.args.lr_scheduler_type!r} cannot be shifted past "
+                             "the linear-probing phase; use a step-based schedule (linear, cosine, constant, ...).")
+        lp_factor = (self.args.lp_learning_rate or self.args.learning_rate) / self.args.learning_rate
+        lambdas = [lambda step, f=f: lp_factor if step < lp_steps else f(step - lp_steps) for f in base.lr_lambdas]
+        for group in (optimizer or self.optimizer).param_groups:
+            group["lr"] = group["initial_lr"]
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambdas)
+        return self.lr_scheduler
+
+    def _sync_phase(self) -> None:
+        """Train the scope of the phase the next step belongs to, with that phase's σ and expected batch."""
+        index = self.ledger.phase_index()
+        if index == self._applied_phase:
+            return
+        if len(self._scopes) > 1:
+            # Hooks only on this phase's modules: a frozen module that gradients flow through (below a tied head)
+            # must not compute per-sample gradients.
+            self._scopes[index].apply(self.model)
+            self._remove_hooks()
+            self._attach_hooks()
+        phase = self.ledger.phases[index]
+        self._dp_optimizer.noise_multiplier = phase.noise_multiplier
+        self._dp_optimizer.expected_batch_size = phase.expected_batch_size
+        if self._applied_phase is not None:
+            logger.warning(f"DP-SGD phase '{phase.name}' starts at step {self.ledger.steps_done}: σ="
+                           f"{phase.noise_multiplier:.4f}, expected batch {phase.expected_batch_size}, "
+                           f"training {self.describe_scope(index)}")
+        self._applied_phase = index
+
+    def describe_scope(self, phase: int | None = None) -> str:
+        """What trains, in one line (for a phase index, or the whole run)."""
+        if hasattr(self.model, "peft_config"):
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            return f"PEFT adapters ({type(self.model).__name__}): {trained:,} trainable parameters"
+        if not self._scopes:
+            return "all parameters"
+        if phase is not None:
+            return self._scopes[min(phase, len(self._scopes) - 1)].description
+        if len(self._scopes) == 1:
+            return self._scopes[0].description
+        steps = [p.steps for p in self.privacy_plan().phases]
+        return " then ".join(f"{s.description} for {t} steps" for s, t in zip(self._scopes, steps))
 
     def _start_ledger(self) -> PrivacyLedger:
         plan = self.privacy_plan()
@@ -167,10 +292,13 @@ class DPTrainer(Trainer):
                 p._dp_name = name  # for error messages that name the parameter
             self._grad_sample_hooks = GradSampleHooks(self.model, batch_first=True, loss_reduction="sum", strict=True)
 
-    def _detach_hooks(self) -> None:
+    def _remove_hooks(self) -> None:
         if self._grad_sample_hooks is not None:
             self._grad_sample_hooks.remove_hooks()
             self._grad_sample_hooks = None
+
+    def _detach_hooks(self) -> None:
+        self._remove_hooks()
         for p in self.model.parameters():
             for attr in ("grad_sample", "summed_grad", "_forward_counter"):
                 if hasattr(p, attr):
@@ -185,12 +313,19 @@ class DPTrainer(Trainer):
             logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
                            "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")
         target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
-        logger.warning(
-            f"DP-SGD plan: σ={led.noise_multiplier:.4f} ({target}), δ={led.target_delta:g}, accountant={led.accountant}, "
-            f"sample rate q={led.sample_rate:.5f} (expected batch {led.expected_batch_size} of {led.dataset_size}), "
-            f"{led.planned_steps} steps, clipping={led.clipping} C={led.per_sample_max_grad_norm}; "
-            f"ε at the end of the plan: {led.planned_epsilon():.4f}"
-        )
+        lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, accountant={led.accountant}, clipping={led.clipping} "
+                 f"C={led.per_sample_max_grad_norm}, {led.dataset_size} examples): ε at the end of the plan "
+                 f"{led.planned_epsilon():.4f}"]
+        stack = _stack_name(self.model, self.args.block_stack)
+        for i, phase in enumerate(led.phases):
+            lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "
+                         f"(expected batch {phase.expected_batch_size}), {phase.steps} steps; trains "
+                         f"{self.describe_scope(i)}")
+            params = (self._scopes[min(i, len(self._scopes) - 1)].parameters if self._scopes
+                      else [p for p in self.model.parameters() if p.requires_grad])
+            lines.append(describe_trainable(self.model, params, phase.noise_multiplier, led.per_sample_max_grad_norm,
+                                            phase.expected_batch_size, stack))
+        logger.warning("\n".join(lines))
 
     # ---- one micro-batch ----------------------------------------------------------------------------
     def per_example_loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
@@ -198,6 +333,7 @@ class DPTrainer(Trainer):
         return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        self._sync_phase()
         if not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
             return torch.zeros((), device=self.args.device)
         model.train()
@@ -207,7 +343,11 @@ class DPTrainer(Trainer):
         labels = inputs.pop("labels")
         _batch_position_ids(self.model, inputs)
         with self.compute_loss_context_manager():
-            losses = self.per_example_loss(model(**inputs), labels)
+            if self._cached_head is not None:
+                outputs = ModelOutput(logits=self.model.get_submodule(self._cached_head)(inputs["features"]))
+            else:
+                outputs = model(**inputs)
+            losses = self.per_example_loss(outputs, labels)
         self.accelerator.backward(losses.sum())
         self._dp_optimizer.accumulate_micro_batch()
         return losses.detach().mean() / self.current_gradient_accumulation_steps
@@ -215,6 +355,8 @@ class DPTrainer(Trainer):
     # ---- run, log, save -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         self._resume_ledger = None
+        self._plan = None
+        self._prepare_cached_head()
         if resume_from_checkpoint:
             path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                     else resume_from_checkpoint)
@@ -249,12 +391,62 @@ class DPTrainer(Trainer):
         logs.pop("grad_norm", None)
         if self.ledger is not None:
             logs["epsilon"] = self.epsilon()
+            if len(self.ledger.phases) > 1:
+                for name, eps in self.ledger.epsilon_by_phase().items():
+                    logs[f"epsilon_{name}"] = eps
         super().log(logs, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call=_internal_call)
-        if self.ledger is not None and self.args.should_save:
-            self.ledger.save(output_dir or self.args.output_dir)
+        self._save_privacy_record(output_dir or self.args.output_dir)
+
+    def _prepare_cached_head(self) -> None:
+        """Decide whether this linear probe runs on cached head inputs, and compute them once if so."""
+        args, scopes = self.args, self._scopes
+        self._cached_head = None
+        if args.cache_features is False or len(scopes) != 1 or not scopes[0].head_only or self.train_dataset is None:
+            if args.cache_features and not (len(scopes) == 1 and scopes[0].head_only):
+                raise ValueError("DPTrainer: cache_features=True needs a linear probe (trainable_blocks=0, no lp_steps).")
+            return
+        forced = bool(args.cache_features)
+        reason = structural_reason_not_to_cache(self.model, scopes[0].head_modules)
+        if reason is None and not forced:
+            reason = data_reason_not_to_cache(self.train_dataset)
+        if reason is None:
+            dataset, collator = self._train_dataset_and_collator()
+            loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
+            try:
+                self._cached_inputs = compute_head_inputs(self.model, scopes[0].head_modules[0], loader, args.device,
+                                                          allow_random_backbone=forced,
+                                                          show_progress=not args.disable_tqdm)
+                self._cached_head = scopes[0].head_modules[0]
+                return
+            except NotCacheable as e:
+                reason = str(e)
+        if forced:
+            raise ValueError(f"DPTrainer: cache_features=True, but {reason}.")
+        logger.warning(f"DPTrainer: linear probe without cached features ({reason}); each step runs the backbone.")
+
+    def save_merged_model(self, output_dir: str | None = None) -> None:
+        """For a LoRA (PEFT) model: save the base weights with the adapters merged in, as a plain HF model
+        (`save_model` saves the adapters alone), plus the privacy ledger and model card."""
+        from .lora import save_merged_model
+
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            save_merged_model(self.model, output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+        self._save_privacy_record(output_dir)
+
+    def _save_privacy_record(self, output_dir: str) -> None:
+        """The ledger and the model card that states the guarantee go next to every saved model."""
+        if self.ledger is None or not self.args.should_save:
+            return
+        self.ledger.save(output_dir)
+        from .model_card import write_model_card
+
+        write_model_card(self, output_dir)
 
 
 class _SamplerEpochCallback(TrainerCallback):
@@ -276,6 +468,24 @@ class _EmptyAwareCollator:
 
     def __call__(self, features):
         return self.collator(features) if features else {}
+
+
+def _phase_scopes(model, args: DPTrainingArguments) -> list[Scope]:
+    """The scope of each phase: [] (train what requires grad), [scope], or [head, scope] with lp_steps."""
+    if args.trainable_blocks is None and not args.lp_steps:
+        return []
+    if args.trainable_blocks is None:
+        last = Scope([p for p in model.parameters() if p.requires_grad], "all parameters")
+    else:
+        last = select_scope(model, args.trainable_blocks, args.block_stack)
+    return [select_scope(model, 0), last] if args.lp_steps else [last]
+
+
+def _stack_name(model, block_stack: str | None) -> str | None:
+    try:
+        return find_block_stack(model, block_stack)[0]
+    except ValueError:
+        return None
 
 
 def _batch_position_ids(model, inputs: dict) -> None:

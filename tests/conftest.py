@@ -36,3 +36,11 @@ def make_token_dataset(n: int = 24, length: int = 8, vocab: int = 128, seed: int
 @pytest.fixture
 def token_dataset():
     return make_token_dataset()
+
+
+def make_token_classification_dataset(n: int = 24, length: int = 8, vocab: int = 128, num_labels: int = 2,
+                                      seed: int = 0) -> Dataset:
+    """Random token sequences (right-padded) with a random class label each."""
+    rows = make_token_dataset(n, length, vocab, seed).with_format(None).to_dict()
+    rows["labels"] = np.random.default_rng(seed + 1).integers(0, num_labels, size=n).tolist()
+    return Dataset.from_dict(rows).with_format("torch")

@@ -215,3 +215,15 @@ def test_prewrapped_models_with_wrong_gradients_are_refused():
 def test_frozen_classification_head_is_warned():
     with pytest.warns(UserWarning, match="modules_to_save=\\['classifier'\\]"):
         apply_peft_config(tiny_vit(), LoraConfig(target_modules=["q_proj"]))
+
+
+def test_dp_trainer_refuses_a_prewrapped_dora_model_and_lora_with_trainable_blocks(digits, tmp_path):
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, report_to="none")
+    dora = get_peft_model(tiny_vit(), LoraConfig(target_modules=["q_proj", "v_proj"], use_dora=True,
+                                                 modules_to_save=["classifier"]))
+    with pytest.raises(ValueError, match="use_dora"):
+        DPTrainer(model=dora, args=args, train_dataset=digits["train"])
+    scoped = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, trainable_blocks=1, report_to="none")
+    with pytest.raises(ValueError, match="either peft_config or trainable_blocks"):
+        DPTrainer(model=tiny_vit(), args=scoped, train_dataset=digits["train"],
+                  peft_config=LoraConfig(target_modules=["q_proj"], modules_to_save=["classifier"]))

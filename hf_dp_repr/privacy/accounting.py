@@ -30,11 +30,15 @@ History = list[tuple[float, float, int]]  # (noise_multiplier, sample_rate, step
 
 def compute_epsilon(history: History, delta: float, accountant: str = "prv") -> float:
     """ε spent by a history of DP-SGD phases under `accountant`; ∞ if any phase had σ = 0."""
-    steps = [(s, q, t) for s, q, t in history if t > 0]
+    steps = _merge([(s, q, t) for s, q, t in history if t > 0])
     if not steps:
         return 0.0
     if any(s == 0 for s, _, _ in steps):
         return math.inf
+    if accountant == "gdp" and len(steps) > 1:
+        # Opacus' GDP accountant reads only the last (σ, q) of its history: it would under-report silently.
+        raise ValueError("The 'gdp' accountant cannot compose phases with different (σ, sample rate); "
+                         "use accountant='prv' or 'rdp' for multi-phase runs.")
     acc = create_accountant(mechanism=accountant)
     acc.history = [tuple(h) for h in steps]
     return float(acc.get_epsilon(delta=delta))
@@ -60,30 +64,100 @@ def calibrate_noise_multiplier(
     )
 
 
+def calibrate_last_phase(
+    target_epsilon: float, target_delta: float, fixed: History, sample_rate: float, steps: int,
+    accountant: str = "prv", same_sigma: bool = False,
+) -> float:
+    """σ of a last phase of `steps` steps at `sample_rate` such that `fixed` phases followed by it spend
+    target_epsilon (within 0.1 %, never above). With `same_sigma`, the `fixed` phases' σ is replaced by the
+    same σ (one σ calibrated on the whole composition). Bisection on Opacus' accountant."""
+
+    def eps(sigma: float) -> float:
+        head = [(sigma, q, t) for _, q, t in fixed] if same_sigma else list(fixed)
+        return compute_epsilon(head + [(sigma, sample_rate, steps)], target_delta, accountant)
+
+    if not same_sigma and compute_epsilon(fixed, target_delta, accountant) >= target_epsilon:
+        raise ValueError("calibrate_last_phase: the earlier phases already spend the whole target ε; give them "
+                         "a smaller share of the budget.")
+    low, high = 0.0, 1.0
+    while (eps_high := eps(high)) > target_epsilon:
+        low, high = high, 2 * high
+        if high > 1e6:
+            raise ValueError("calibrate_last_phase: no σ reaches the target ε; the earlier phases use it up.")
+    while eps_high < (1 - RELATIVE_EPSILON_TOLERANCE) * target_epsilon and high - low > 1e-9:
+        mid = (low + high) / 2
+        if (eps_mid := eps(mid)) > target_epsilon:
+            low = mid
+        else:
+            high, eps_high = mid, eps_mid
+    return high
+
+
+@dataclass
+class Phase:
+    """One stretch of a run with fixed σ, sample rate and expected batch (a linear probe, a fine-tune, ...)."""
+
+    name: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    expected_batch_size: int
+
+
 @dataclass
 class PrivacyLedger:
     """What a DP run has spent and how: written into every checkpoint, restored on resume.
 
-    `history` is the accountant's own history [(σ, q, steps), ...]; `epsilon()` recomputes ε from it.
+    `phases` is the plan (one phase, or a linear probe then a fine-tune); `history` is the accountant's own
+    history [(σ, q, steps), ...] of what was executed; `epsilon()` recomputes ε from it.
     """
 
     accountant: str
     target_delta: float
-    noise_multiplier: float
-    sample_rate: float
-    planned_steps: int
     per_sample_max_grad_norm: float
     clipping: str
-    expected_batch_size: int
     dataset_size: int
     poisson_sampling: bool
+    phases: list[Phase]
     target_epsilon: float | None = None
     world_size: int = 1
     history: History = field(default_factory=list)
 
     @property
+    def planned_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    @property
     def steps_done(self) -> int:
         return sum(t for _, _, t in self.history)
+
+    def phase_index(self, step: int | None = None) -> int:
+        """Index of the phase that step `step` (0-based; default: the next step) belongs to."""
+        step = self.steps_done if step is None else step
+        end = 0
+        for i, phase in enumerate(self.phases):
+            end += phase.steps
+            if step < end:
+                return i
+        return len(self.phases) - 1
+
+    @property
+    def phase(self) -> Phase:
+        """The phase of the next step (the last one once the plan is done)."""
+        return self.phases[self.phase_index()]
+
+    # The current phase's parameters, as the optimizer and sampler need them.
+    @property
+    def noise_multiplier(self) -> float:
+        return self.phase.noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        return self.phase.sample_rate
+
+    @property
+    def expected_batch_size(self) -> int:
+        return self.phase.expected_batch_size
 
     def record_step(self) -> None:
         """Account for one noisy update; refuses to go past the planned steps (the budget)."""
@@ -92,25 +166,35 @@ class PrivacyLedger:
                 f"Privacy budget exhausted: {self.steps_done} of {self.planned_steps} planned DP steps are done. "
                 "Refusing to take another noisy step; plan a longer run (and a new budget) instead."
             )
-        if self.history and tuple(self.history[-1][:2]) == (self.noise_multiplier, self.sample_rate):
-            s, q, t = self.history[-1]
-            self.history[-1] = (s, q, t + 1)
-        else:
-            self.history.append((self.noise_multiplier, self.sample_rate, 1))
+        self.history = _merge(self.history + [(self.noise_multiplier, self.sample_rate, 1)])
 
     def epsilon(self) -> float:
         return compute_epsilon(self.history, self.target_delta, self.accountant)
 
     def planned_epsilon(self) -> float:
-        return compute_epsilon(
-            [(self.noise_multiplier, self.sample_rate, self.planned_steps)], self.target_delta, self.accountant
-        )
+        return compute_epsilon(self._plan_history(), self.target_delta, self.accountant)
+
+    def epsilon_by_phase(self) -> dict[str, float]:
+        """ε of each phase's executed steps on its own (their composition is `epsilon()`, not their sum)."""
+        done, out = self.steps_done, {}
+        for i, phase in enumerate(self.phases):
+            start = sum(p.steps for p in self.phases[:i])
+            steps = min(max(done - start, 0), phase.steps)
+            out[phase.name] = compute_epsilon([(phase.noise_multiplier, phase.sample_rate, steps)],
+                                              self.target_delta, self.accountant)
+        return out
+
+    def _plan_history(self) -> History:
+        return [(p.noise_multiplier, p.sample_rate, p.steps) for p in self.phases]
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["history"] = [list(h) for h in self.history]
         d["steps_done"] = self.steps_done
+        d["planned_steps"] = self.planned_steps
         d["epsilon"] = self.epsilon()
+        if len(self.phases) > 1:
+            d["epsilon_by_phase"] = self.epsilon_by_phase()
         return d
 
     def save(self, directory: str) -> str:
@@ -123,7 +207,19 @@ class PrivacyLedger:
     def load(cls, directory: str) -> "PrivacyLedger":
         with open(os.path.join(directory, LEDGER_FILE)) as f:
             d = json.load(f)
-        d.pop("steps_done", None)
-        d.pop("epsilon", None)
+        for derived in ("steps_done", "planned_steps", "epsilon", "epsilon_by_phase"):
+            d.pop(derived, None)
+        d["phases"] = [Phase(**p) for p in d["phases"]]
         d["history"] = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
         return cls(**d)
+
+
+def _merge(history: History) -> History:
+    """Merge consecutive entries with the same (σ, q), as Opacus' accountants do when stepping."""
+    out: History = []
+    for s, q, t in history:
+        if out and out[-1][:2] == (s, q):
+            out[-1] = (s, q, out[-1][2] + t)
+        else:
+            out.append((s, q, t))
+    return out

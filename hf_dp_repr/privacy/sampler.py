@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -46,13 +47,13 @@ class _LogicalBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.steps_per_epoch * self.micro_batches_per_step
 
-    def _draw(self, rng: np.random.Generator) -> np.ndarray:
+    def _draw(self, rng: np.random.Generator, step: int) -> np.ndarray:
         raise NotImplementedError
 
     def __iter__(self):
         rng = np.random.default_rng([self.seed, self.epoch])
-        for _ in range(self.steps_per_epoch):
-            mine = self._draw(rng)[self.rank :: self.world_size]
+        for i in range(self.steps_per_epoch):
+            mine = self._draw(rng, self.epoch * self.steps_per_epoch + i)[self.rank :: self.world_size]
             for chunk in np.array_split(mine, self.micro_batches_per_step):
                 yield chunk.tolist()
 
@@ -61,9 +62,11 @@ class PoissonBatchSampler(_LogicalBatchSampler):
     """Each example joins each logical batch independently with probability `sample_rate` (the setting of
     the accountants' analysis); batch sizes vary and a micro-batch may be empty.
 
+    `sample_rate` may be a function of the global step (phases of a run with different batch sizes).
     `secure=True` draws from OS entropy instead of a seeded generator (single process only)."""
 
-    def __init__(self, num_samples: int, sample_rate: float, steps_per_epoch: int, *, secure: bool = False, **kw):
+    def __init__(self, num_samples: int, sample_rate: float | Callable[[int], float], steps_per_epoch: int, *,
+                 secure: bool = False, **kw):
         super().__init__(num_samples, steps_per_epoch, **kw)
         if secure and self.world_size > 1:
             raise NotImplementedError(
@@ -73,13 +76,14 @@ class PoissonBatchSampler(_LogicalBatchSampler):
         self.sample_rate = sample_rate
         self.secure = secure
 
-    def _draw(self, rng: np.random.Generator) -> np.ndarray:
+    def _draw(self, rng: np.random.Generator, step: int) -> np.ndarray:
+        rate = self.sample_rate(step) if callable(self.sample_rate) else self.sample_rate
         if self.secure:
             uniform = np.frombuffer(os.urandom(8 * self.num_samples), dtype=np.uint64) / 2.0**64
         else:
             uniform = rng.random(self.num_samples)
         # Order inside the batch does not matter to DP; shuffling keeps micro-batches of similar make-up.
-        return rng.permutation(np.flatnonzero(uniform < self.sample_rate))
+        return rng.permutation(np.flatnonzero(uniform < rate))
 
 
 class ShuffledBatchSampler(_LogicalBatchSampler):
@@ -96,7 +100,7 @@ class ShuffledBatchSampler(_LogicalBatchSampler):
         self._order, self._cursor = None, 0
         return super().__iter__()
 
-    def _draw(self, rng: np.random.Generator) -> np.ndarray:
+    def _draw(self, rng: np.random.Generator, step: int) -> np.ndarray:
         if self._order is None:
             self._order = rng.permutation(self.num_samples)
         batch = self._order[self._cursor : self._cursor + self.batch_size]

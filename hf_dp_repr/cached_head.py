@@ -1,0 +1,101 @@
+"""Linear probing on cached backbone features.
+
+When only the head trains and the backbone is deterministic, the head sees the same input for an example
+at every epoch. We compute those inputs once (one batched forward pass over the training set, eval mode,
+no autograd) and run DP-SGD on the head alone over them, so an epoch costs a head-sized step. The DP
+mechanism is unchanged: the same Poisson batches, per-example clipping and noise, over the same n examples.
+
+Caching is only done when it gives the same updates as running the backbone:
+- the head is one module whose output is the model's logits (checked on the first batch);
+- the head shares no parameter with the backbone (a tied `lm_head` is also the input embedding);
+- the backbone gives the same head input in train and eval mode (no active dropout), unless forced;
+- the dataset is a `datasets.Dataset` with no transform (random augmentation), unless forced.
+"""
+
+from __future__ import annotations
+
+import datasets
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+
+class CachedHeadInputs(Dataset):
+    """The head's input for each training example, with its label."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor):
+        self.features, self.labels = features, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"features": self.features[i], "labels": self.labels[i]}
+
+
+def structural_reason_not_to_cache(model: torch.nn.Module, head_names: list[str]) -> str | None:
+    """Why the head cannot run on cached inputs, from the model's structure alone (None if it can)."""
+    if len(head_names) != 1:
+        return f"the head is {len(head_names)} modules ({', '.join(head_names)}), not one"
+    head = model.get_submodule(head_names[0])
+    head_ids = {id(p) for p in head.parameters()}
+    shared = [n for n, p in model.named_parameters(remove_duplicate=False)
+              if id(p) in head_ids and not n.startswith(head_names[0] + ".")]
+    if shared:
+        return f"the head shares parameters with the backbone ({', '.join(shared)}): training it changes the features"
+    return None
+
+
+def data_reason_not_to_cache(dataset) -> str | None:
+    """Why the dataset's examples may differ between epochs (None if they cannot)."""
+    if not isinstance(dataset, datasets.Dataset):
+        return f"the dataset is a {type(dataset).__name__}, whose items may be random (augmentation)"
+    if dataset.format.get("type") == "custom":
+        return "the dataset has a transform (set_transform / with_transform), which may be random augmentation"
+    return None
+
+
+def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoader, device: torch.device,
+                        allow_random_backbone: bool, show_progress: bool = True) -> CachedHeadInputs:
+    """Run the model once over `loader` and keep what enters the head.
+
+    Raises `NotCacheable` if the head's output is not the model's logits, or (unless `allow_random_backbone`)
+    if the backbone's output differs between train and eval mode."""
+    head = model.get_submodule(head_name)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(_module, args, output):
+        seen["input"], seen["output"] = args[0].detach(), output.detach()
+
+    handle = head.register_forward_hook(keep)
+    features, labels = [], []
+    was_training = model.training
+    try:
+        for i, batch in enumerate(tqdm(loader, desc="caching head inputs", disable=not show_progress)):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            y = batch.pop("labels")
+            if i == 0 and not allow_random_backbone:
+                model.train()
+                with torch.no_grad():
+                    model(**batch)
+                train_input = seen["input"]
+            model.eval()
+            with torch.no_grad():
+                logits = model(**batch).logits
+            if i == 0:
+                if seen["output"].shape != logits.shape or not torch.equal(seen["output"], logits):
+                    raise NotCacheable(f"the output of `{head_name}` is not the model's logits "
+                                       "(the model post-processes it)")
+                if not allow_random_backbone and not torch.equal(train_input, seen["input"]):
+                    raise NotCacheable("the backbone is random in train mode (dropout); set its dropout to 0, or "
+                                       "cache_features=True to train the head on eval-mode features")
+            features.append(seen["input"].cpu())
+            labels.append(y.cpu())
+    finally:
+        handle.remove()
+        model.train(was_training)
+    return CachedHeadInputs(torch.cat(features), torch.cat(labels))
+
+
+class NotCacheable(RuntimeError):
+    """The head cannot be trained on cached inputs without changing the updates."""

@@ -1,0 +1,59 @@
+"""Linear probing on cached head inputs: same updates as running the backbone, and used only when it may be."""
+
+import pytest
+import torch
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
+
+
+def probe(dataset, tmp_path, model=None, **kw):
+    kw = {"noise_multiplier": 0.0, "per_device_train_batch_size": 32, **kw}
+    args = DPTrainingArguments(output_dir=str(tmp_path), trainable_blocks=0, max_steps=6, learning_rate=0.05,
+                               report_to="none", save_strategy="no", disable_tqdm=True, seed=0, **kw)
+    trainer = DPTrainer(model=model or tiny_vit(), args=args, train_dataset=dataset)
+    trainer.train()
+    return trainer
+
+
+def test_cached_probe_gives_the_same_updates_as_the_uncached_one(digits, tmp_path):
+    data = digits["train"].select(range(300))
+    cached = probe(data, tmp_path / "cached", cache_features=True)
+    plain = probe(data, tmp_path / "plain", cache_features=False)
+    assert cached._cached_head == "classifier" and plain._cached_head is None
+    assert not torch.equal(plain.model.classifier.weight, tiny_vit().classifier.weight)  # the probe did train
+    for (name, a), b in zip(cached.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert cached.ledger.history == plain.ledger.history
+
+
+def test_noisy_cached_probe_is_accounted_like_the_uncached_one(digits, tmp_path):
+    data = digits["train"].select(range(300))
+    cached = probe(data, tmp_path / "c", noise_multiplier=None, target_epsilon=1.0, target_delta=1e-4)
+    plain = probe(data, tmp_path / "p", noise_multiplier=None, target_epsilon=1.0, target_delta=1e-4,
+                  cache_features=False)
+    assert cached._cached_head == "classifier"  # auto: tiny ViT has no dropout and digits no transform
+    assert cached.epsilon() == plain.epsilon() <= 1.0
+
+
+def test_probe_falls_back_without_cache_when_caching_would_change_the_updates(digits, tmp_path, token_dataset):
+    logger = logging.get_logger("hf_dp_repr.trainer")
+    with CaptureLogger(logger) as cl:  # GPT-2's lm_head is its input embedding: training it changes the features
+        trainer = probe(token_dataset, tmp_path / "gpt2", model=tiny_gpt2(), per_device_train_batch_size=8)
+    assert trainer._cached_head is None and "shares parameters with the backbone" in cl.out
+
+    transformed = digits["train"].select(range(300)).with_transform(lambda b: b)
+    with CaptureLogger(logger) as cl:
+        trainer = probe(transformed, tmp_path / "aug")
+    assert trainer._cached_head is None and "transform" in cl.out
+
+    with CaptureLogger(logger) as cl:
+        trainer = probe(digits["train"].select(range(300)), tmp_path / "drop", model=tiny_vit(attention_probs_dropout_prob=0.3))
+    assert trainer._cached_head is None and "dropout" in cl.out
+
+
+def test_cache_features_true_refuses_a_head_it_cannot_cache(token_dataset, tmp_path):
+    with pytest.raises(ValueError, match="cache_features=True, but the head shares parameters"):
+        probe(token_dataset, tmp_path, model=tiny_gpt2(), per_device_train_batch_size=8, cache_features=True)
