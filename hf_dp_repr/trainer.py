@@ -17,7 +17,8 @@ Example (runs in seconds on a CPU):
     ...     per_device_train_batch_size=64, max_steps=3, learning_rate=1e-3, report_to="none",
     ...     save_strategy="no", disable_tqdm=True)
     >>> trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=ds["train"])
-    >>> out = trainer.train()
+    >>> out = trainer.train()  # with disable_tqdm=True the Trainer prints the final metrics
+    {'train_runtime': ...}
     >>> trainer.ledger.steps_done, 0 < out.metrics["epsilon"] <= 8.0
     (3, True)
 """
