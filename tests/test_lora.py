@@ -227,3 +227,29 @@ def test_dp_trainer_refuses_a_prewrapped_dora_model_and_lora_with_trainable_bloc
     with pytest.raises(ValueError, match="either peft_config or trainable_blocks"):
         DPTrainer(model=tiny_vit(), args=scoped, train_dataset=digits["train"],
                   peft_config=LoraConfig(target_modules=["q_proj"], modules_to_save=["classifier"]))
+
+
+def test_lora_run_resumes_from_a_checkpoint_with_the_same_accounting(digits, tmp_path):
+    from test_scopes import _StopAt
+
+    data = digits["train"].select(range(64))
+
+    def make(out, callbacks=()):
+        args = DPTrainingArguments(output_dir=str(out), target_epsilon=3.0, target_delta=1e-3, max_steps=4,
+                                   per_device_train_batch_size=8, learning_rate=0.05, report_to="none",
+                                   save_strategy="steps", save_steps=1, disable_tqdm=True, seed=0)
+        return DPTrainer(model=tiny_vit(), args=args, train_dataset=data, peft_config=lora_config("vit"),
+                         callbacks=list(callbacks))
+
+    full = make(tmp_path / "full")
+    full.train()
+    make(tmp_path / "run", [_StopAt(2)]).train()
+    resumed = make(tmp_path / "run")
+    adapter = next(p for n, p in resumed.model.named_parameters() if "lora_B" in n)
+    assert torch.count_nonzero(adapter) == 0  # a fresh LoRA B; the checkpoint's adapters must be loaded
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.ledger.history == full.ledger.history and resumed.epsilon() == full.epsilon()
+    trained = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    for n, p in full.model.named_parameters():
+        if n in trained:  # same batches and noise (RNG state restored): equal up to float nondeterminism
+            torch.testing.assert_close(trained[n], p, rtol=0, atol=1e-4)
