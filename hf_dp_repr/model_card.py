@@ -6,9 +6,9 @@ clipping norm, sampling, steps, epochs, dataset size, public vs private data, tr
 evaluation metrics (`all_results.json`) and the representation-law fits (`representation_law.json`).
 
 What the trainer cannot know, the caller says through `trainer.model_card_info` (a dict, all keys optional):
-`private_data`, `public_data` (one-line descriptions), `base_model` (Hub name or path), `datasets` (Hub
-dataset ids, for the card's metadata), `model_name`, `analysis_data` (what the representation laws were
-measured on), `license`.
+`private_data`, `public_data` (one-line descriptions), `base_model` (Hub name, for the card's metadata),
+`base_model_description` (free text), `datasets` (Hub dataset ids, for the metadata), `model_name`, `analysis_data`
+(what the representation laws were measured on), `license`.
 
 Example:
     >>> from types import SimpleNamespace
@@ -89,23 +89,24 @@ def render_model_card(ledger: dict, *, model_card_info: dict | None = None, scop
 
 
 def _template_values(led: dict, info: dict, scope: str, results: dict | None, laws: dict | None) -> dict:
-    phases = led.get("phases") or []
-    sigmas = [p["noise_multiplier"] for p in phases] or [led.get("noise_multiplier")]
-    private = all(s is not None and s > 0 for s in sigmas)
+    phases = led.get("phases") or [dict(name="train", noise_multiplier=led["noise_multiplier"],
+                                        sample_rate=led["sample_rate"], steps=led["planned_steps"],
+                                        expected_batch_size=led["expected_batch_size"])]
+    private = all(p["noise_multiplier"] is not None and p["noise_multiplier"] > 0 for p in phases)
     eps = led.get("epsilon")
     n = led["dataset_size"]
-    steps = led.get("steps_done", sum(int(t) for _, _, t in led.get("history", [])))
-    if phases:
-        examples = sum(p["steps"] * p["expected_batch_size"] for p in phases)
-        sigma_text = "per phase, see the table below"
-        sampling = "Poisson sampling, per phase (see the table below)"
+    history = led.get("history", [])
+    steps = led.get("steps_done", sum(int(t) for _, _, t in history))
+    kind = "Poisson" if led.get("poisson_sampling", True) else "shuffled fixed-size"
+    if len(phases) == 1:
+        p = phases[0]
+        sigma_text = _fmt(p["noise_multiplier"])
+        sampling = (f"{kind} batches, sample rate q = {_fmt(p['sample_rate'])} "
+                    f"(expected logical batch {p['expected_batch_size']})")
     else:
-        examples = steps * led["expected_batch_size"]
-        sigma_text = _fmt(led["noise_multiplier"])
-        sampling = (f"{'Poisson' if led['poisson_sampling'] else 'shuffled fixed-size'} batches, sample rate "
-                    f"q = {_fmt(led['sample_rate'])} (expected logical batch {led['expected_batch_size']})")
+        sigma_text = "per phase, see the table below"
+        sampling = f"{kind} batches, per phase (see the table below)"
     target = led.get("target_epsilon")
-    base_model = info.get("base_model")
     summary = (f"(ε = {_fmt(eps)}, δ = {led['target_delta']:g})-differentially private." if private and eps is not None
                else "Not differentially private: a non-private reference run (noise_multiplier = 0).")
     return dict(
@@ -123,21 +124,29 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
         poisson_sampling=led.get("poisson_sampling", True),
         steps_done=steps,
         planned_steps=led.get("planned_steps", "?"),
-        epochs_text=_fmt(examples / n) if n else "?",
+        epochs_text=_fmt(float(sum(q * t for _, q, t in history))),  # Σ q·t = examples seen / n
         dataset_size=n,
         world_size=led.get("world_size", 1),
-        phases=[{k: _fmt(v) if isinstance(v, float) else v for k, v in p.items()} for p in phases],
+        phases=[{k: _fmt(v) if isinstance(v, float) else v for k, v in p.items()} for p in phases]
+        if len(phases) > 1 else [],
         private_data=info.get("private_data") or f"the training set given to DPTrainer ({n} examples)",
         public_data=info.get("public_data") or "none stated (pre-trained base weights, if any, are public)",
-        base_model_text=base_model or "not recorded",
+        base_model_text=info.get("base_model_description") or info.get("base_model") or "not recorded",
         scope=scope,
-        metrics=[(k, _fmt(v)) for k, v in sorted((results or {}).items()) if isinstance(v, (int, float))],
+        metrics=[(k, _fmt(v)) for k, v in sorted((results or {}).items()) if _reported_metric(k, v)],
         laws=_law_rows(laws),
         analysis_data=info.get("analysis_data") or "the evaluation set",
         versions=_versions(),
         has_results=results is not None,
         has_laws=laws is not None,
     )
+
+
+def _reported_metric(key: str, value) -> bool:
+    """Held-out metrics and ε; not timings, and not the training loss (computed on private data outside DP)."""
+    if not isinstance(value, (int, float)) or key.endswith(("_runtime", "_per_second")):
+        return False
+    return key.startswith(("eval_", "test_")) or key in ("epsilon", "perplexity", "accuracy")
 
 
 def _law_rows(laws: dict | None) -> list[dict]:

@@ -1,0 +1,255 @@
+"""DP fine-tuning of an image classifier with `DPTrainer`, for `python` or `accelerate launch`.
+
+Offline default (sklearn's digits, a 4-block ViT pre-trained non-privately on a public half of the training
+split, then fine-tuned under DP on the disjoint private half):
+
+    python recipes/dp_image_classification.py --output_dir out/digits-eps1 --target_epsilon 1 --target_delta 1e-4
+
+Two CPU processes (gloo) or several GPUs:
+
+    accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml recipes/dp_image_classification.py \
+        --output_dir out/digits-ddp --target_epsilon 8 --target_delta 1e-4 --per_device_train_batch_size 64
+    accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/dp_image_classification.py \
+        --config recipes/configs/seed000_vit_cifar10_eps1.yaml --trainable_blocks 4
+
+A Hub model and dataset (needs Hub access), pushed with its DP model card:
+
+    accelerate launch recipes/dp_image_classification.py \
+        --model_name_or_path google/vit-base-patch16-224-in21k --dataset_name cifar10 \
+        --max_train_samples_per_class 100 --target_epsilon 1 --target_delta 1e-3 --trainable_blocks 4 \
+        --analyze_representations --push_to_hub --hub_model_id me/vit-dp-eps1 --output_dir out/vit-eps1
+
+`--model_name_or_path`: a Hub name, a local folder (`save_pretrained`), or a built-in tiny config (`tiny_vit`).
+`--dataset_name`: `digits` (embedded), a folder written by `DatasetDict.save_to_disk`, or anything
+`datasets.load_dataset` takes (Hub name, `imagefolder` folder). `--config file.yaml`: arguments from a file
+(see recipes/configs/); the command line overrides it. Every DP option: `--help`.
+
+Output folder: the model (plain HF, `from_pretrained` works), `privacy_ledger.json`, `README.md` (DP model
+card), `all_results.json` (accuracy, ε), and with `--analyze_representations` `representation_law.json` + plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import recipe_utils as ru  # noqa: E402  (sibling module)
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
+
+logger = logging.getLogger("hf_dp_repr.recipes.image")
+DIGITS = "digits"
+
+
+@dataclass
+class ImageArguments:
+    """Model and data of the image recipe."""
+
+    model_name_or_path: str = field(default="tiny_vit", metadata={
+        "help": "Hub name (google/vit-base-patch16-224-in21k), local folder, or built-in tiny config (tiny_vit)."})
+    dataset_name: str = field(default=DIGITS, metadata={
+        "help": "'digits' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name/folder."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
+    train_split: str = field(default="train", metadata={"help": "Split trained on (the private data)."})
+    eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
+    image_column: str | None = field(default=None, metadata={
+        "help": "Image column (default: the first of pixel_values, image, img)."})
+    label_column: str | None = field(default=None, metadata={
+        "help": "Label column (default: the first of labels, label, fine_label)."})
+    max_train_samples_per_class: int | None = field(default=None, metadata={
+        "help": "Keep this many training images per class (seed 000: 100), chosen with --seed."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many images."})
+    public_fraction: float | None = field(default=None, metadata={
+        "help": "Share of the training split used as PUBLIC data: the model is first trained on it non-privately, "
+                "then DP fine-tuned on the disjoint rest. Default: 0.5 for a tiny config (no pretrained weights), "
+                "0 (no public data) otherwise."})
+    public_epochs: float = field(default=40, metadata={"help": "Epochs of the non-private public pre-training."})
+    public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
+    public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
+    public_model_dir: str | None = field(default=None, metadata={
+        "help": "Where the publicly pre-trained model is saved (default: <output_dir>/public_pretrained); reused "
+                "when it holds a model pre-trained with the same settings."})
+    analyze_representations: bool = field(default=False, metadata={
+        "help": "Measure the representation laws (separation fuzziness, prediction residual) on the eval split "
+                "at the start and end of training: representation_law.json + plot, ρ in the model card."})
+    analysis_max_examples: int | None = field(default=None, metadata={"help": "Analyse at most this many images."})
+    config: str | None = field(default=None, metadata={
+        "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
+
+
+ARGUMENT_TYPES = (ImageArguments, DPTrainingArguments)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the recipe; returns the final metrics (accuracy, ε, ...)."""
+    margs, targs = ru.parse_args(ARGUMENT_TYPES, argv)
+    ru.setup_logging(targs)
+    ru.refuse_hub_token(targs)
+    push = targs.push_to_hub
+    targs.push_to_hub = False  # pushed once at the end by hf_dp_repr.hub (DP card, allow-listed files)
+    targs.remove_unused_columns = False  # the collator below picks the columns
+
+    data, image_col, label_col = load_image_data(margs, targs.seed)
+    num_labels, id2label = _labels(data["train"], label_col)
+    model_name = margs.model_name_or_path
+    model = _load_model(model_name, num_labels, id2label, data["train"], image_col, targs.seed)
+    data = _with_pixel_values(data, model_name, model, image_col, label_col)
+    collate = _collate
+
+    public_fraction = margs.public_fraction if margs.public_fraction is not None else (
+        0.5 if ru.is_tiny(model_name) else 0.0)
+    train, public = data["train"], None
+    if public_fraction > 0:
+        public, train = ru.split_public_private(train, public_fraction, targs.seed)
+        save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
+        signature = dict(model=model_name, dataset=margs.dataset_name, split=margs.train_split,
+                         fraction=public_fraction, seed=targs.seed, epochs=margs.public_epochs,
+                         lr=margs.public_learning_rate, batch=margs.public_batch_size,
+                         per_class=margs.max_train_samples_per_class)
+        path = ru.pretrain_on_public(model, public, save_dir=save_dir, training_args=targs,
+                                     epochs=margs.public_epochs, learning_rate=margs.public_learning_rate,
+                                     batch_size=margs.public_batch_size, signature=signature,
+                                     data_collator=collate, log=logger.warning)
+        model = type(model).from_pretrained(path)  # the path a Hub name takes
+
+    callbacks = []
+    if margs.analyze_representations:
+        from hf_dp_repr.analysis import RepresentationLawCallback
+
+        callbacks.append(RepresentationLawCallback(data["eval"], max_examples=margs.analysis_max_examples))
+
+    accuracy = ru.load_metric("accuracy")
+
+    def compute_metrics(pred):
+        return accuracy.compute(predictions=np.argmax(pred.predictions, axis=-1), references=pred.label_ids)
+
+    trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
+                        data_collator=collate, compute_metrics=compute_metrics, callbacks=callbacks)
+    trainer.model_card_info = dict(
+        model_name=f"{model_name} DP fine-tuned on {margs.dataset_name}",
+        base_model=None if ru.is_tiny(model_name) else model_name,
+        base_model_description=(f"{model_name} (built-in tiny config, random init), pre-trained here on the public "
+                                "data" if ru.is_tiny(model_name) and public else model_name),
+        datasets=[margs.dataset_name] if margs.dataset_name != DIGITS else [],
+        private_data=f"{len(train)} examples of the '{margs.train_split}' split of {margs.dataset_name}"
+                     + (f" (the {1 - public_fraction:.0%} not used as public data)" if public else ""),
+        public_data=(f"{len(public)} other examples of the same split, disjoint from the private ones, used for "
+                     f"non-private pre-training of the randomly initialised {model_name}" if public else
+                     f"the pre-trained weights of {model_name} (not trained on the private data here)"),
+        analysis_data=f"the '{margs.eval_split}' split ({len(data['eval'])} examples, not trained on)",
+    )
+    result = trainer.train()
+    return ru.finish_run(trainer, result, margs, push=push)
+
+
+# ---- data ----------------------------------------------------------------------------------------------------
+def load_image_data(margs: ImageArguments, seed: int):
+    """{"train", "eval"} datasets and the image / label column names."""
+    import datasets
+
+    if margs.dataset_name == DIGITS:
+        from hf_dp_repr.data import load_digits_dataset
+
+        raw = load_digits_dataset()
+    elif os.path.isdir(margs.dataset_name) and os.path.exists(os.path.join(margs.dataset_name, "dataset_dict.json")):
+        raw = datasets.load_from_disk(margs.dataset_name)
+    else:
+        raw = datasets.load_dataset(margs.dataset_name, margs.dataset_config_name)
+    for split in (margs.train_split, margs.eval_split):
+        if split not in raw:
+            raise ValueError(f"--dataset_name {margs.dataset_name} has no split {split!r} (it has {list(raw)}); "
+                             "set --train_split / --eval_split.")
+    train, evals = raw[margs.train_split], raw[margs.eval_split]
+    image_col = margs.image_column or _first(train.column_names, ("pixel_values", "image", "img"), "--image_column")
+    label_col = margs.label_column or _first(train.column_names, ("labels", "label", "fine_label"), "--label_column")
+    if margs.max_train_samples_per_class:
+        train = _per_class(train, label_col, margs.max_train_samples_per_class, seed)
+    if margs.max_eval_samples:
+        evals = evals.select(range(min(margs.max_eval_samples, len(evals))))
+    return {"train": train, "eval": evals}, image_col, label_col
+
+
+def _first(columns, candidates, flag):
+    for c in candidates:
+        if c in columns:
+            return c
+    raise ValueError(f"none of the columns {columns} is one of {candidates}; name it with {flag}.")
+
+
+def _per_class(ds, label_col, k, seed):
+    labels = np.asarray(ds[label_col])
+    rng = np.random.default_rng(seed)
+    keep = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:k] for c in np.unique(labels)])
+    return ds.select(np.sort(keep))
+
+
+def _labels(train, label_col):
+    feature = train.features.get(label_col)
+    names = getattr(feature, "names", None)
+    if names:
+        return len(names), dict(enumerate(names))
+    n = int(max(train[label_col])) + 1
+    return n, {i: str(i) for i in range(n)}
+
+
+def _with_pixel_values(data, model_name, model, image_col, label_col):
+    """Rename to `pixel_values` / `labels`; decode images lazily with the model's image processor."""
+    out = {}
+    for key, ds in data.items():
+        if label_col != "labels":
+            ds = ds.rename_column(label_col, "labels")
+        if image_col == "pixel_values":
+            out[key] = ds.with_format("torch")
+            continue
+        processor = _image_processor(model_name, model)
+
+        def transform(batch, _col=image_col, _proc=processor):
+            images = [im.convert("RGB") if model.config.num_channels == 3 else im.convert("L") for im in batch[_col]]
+            return {"pixel_values": _proc(images, return_tensors="pt")["pixel_values"], "labels": batch["labels"]}
+
+        out[key] = ds.with_transform(transform)
+    return out
+
+
+def _image_processor(model_name, model):
+    from transformers import AutoImageProcessor, ViTImageProcessor
+
+    if not ru.is_tiny(model_name):
+        try:
+            return AutoImageProcessor.from_pretrained(model_name)
+        except OSError:
+            logger.warning("no image processor found for %s; resizing to the model's image size", model_name)
+    size = model.config.image_size
+    return ViTImageProcessor(size={"height": size, "width": size}, do_normalize=True)
+
+
+def _collate(examples):
+    return {"pixel_values": torch.stack([torch.as_tensor(e["pixel_values"]) for e in examples]),
+            "labels": torch.tensor([int(e["labels"]) for e in examples])}
+
+
+def _load_model(name, num_labels, id2label, train, image_col, seed):
+    if ru.is_tiny(name):
+        if name != "tiny_vit":
+            raise ValueError(f"--model_name_or_path {name}: the image recipe's tiny config is tiny_vit.")
+        sample = train[0][image_col]
+        if image_col == "pixel_values":
+            shape = tuple(torch.as_tensor(sample).shape)  # (C, H, W)
+            return ru.TINY_MODELS[name](num_labels=num_labels, seed=seed, num_channels=shape[0], image_size=shape[-1])
+        return ru.TINY_MODELS[name](num_labels=num_labels, seed=seed, num_channels=3, image_size=32)
+    from transformers import AutoModelForImageClassification
+
+    return AutoModelForImageClassification.from_pretrained(
+        name, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
+        ignore_mismatched_sizes=True)
+
+
+if __name__ == "__main__":
+    main()

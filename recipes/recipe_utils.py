@@ -1,0 +1,177 @@
+"""What the recipes share: argument parsing with `--config file.yaml`, models by Hub name / local path / tiny
+config name, offline-safe metrics, the public → private split with non-private public pre-training, and the end
+of a run (evaluate, save, model card, push).
+
+The recipes import this file as a sibling module (`accelerate launch recipes/x.py` puts `recipes/` on sys.path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+import yaml
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from hf_dp_repr import tiny
+
+logger = logging.getLogger("hf_dp_repr.recipes")
+HERE = Path(__file__).resolve().parent
+
+# Built-in tiny configs (random init): `--model_name_or_path tiny_vit` etc.
+TINY_MODELS = {name: getattr(tiny, name) for name in
+               ("tiny_vit", "tiny_gpt2", "tiny_gpt2_classifier", "tiny_bert_classifier", "tiny_llama")}
+PUBLIC_PRETRAINING_FILE = "public_pretraining.json"
+RUN_INFO_FILE = "run_info.json"
+
+
+# ---- arguments -----------------------------------------------------------------------------------------
+def parse_args(dataclass_types, argv: list[str] | None = None):
+    """Parse `argv` (default: sys.argv[1:]) into `dataclass_types` with HfArgumentParser.
+
+    `--config file.yaml` (a flat mapping of argument names to values) is expanded in place, before the other
+    command-line arguments, so anything given on the command line overrides the file.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _cpu_processes_use_gloo()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    if known.config:
+        rest = yaml_to_argv(known.config) + rest
+    parser = HfArgumentParser(dataclass_types)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        raise SystemExit(0)
+    out = parser.parse_args_into_dataclasses(args=rest)
+    for obj in out:
+        if hasattr(obj, "config"):
+            obj.config = known.config
+    return out
+
+
+def _cpu_processes_use_gloo() -> None:
+    """Several processes (accelerate launch / torchrun) on a machine without a GPU: tell accelerate to set up
+    torch.distributed on CPU (gloo). Without this each process would train alone, unaware of the others."""
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
+def yaml_to_argv(path: str) -> list[str]:
+    """`{lr: 0.01, report_to: [none], fp16: false}` → `["--lr", "0.01", "--report_to", "none", "--fp16", "False"]`."""
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a mapping of argument names to values, got {type(values).__name__}")
+    argv: list[str] = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        argv.append(f"--{key}")
+        argv.extend(str(v) for v in value) if isinstance(value, list) else argv.append(str(value))
+    return argv
+
+
+def refuse_hub_token(training_args) -> None:
+    """The Trainer pickles its arguments into training_args.bin (which is pushed): a token there would leak."""
+    if getattr(training_args, "hub_token", None):
+        raise ValueError("--hub_token: do not pass the Hub token as an argument (it would be pickled into "
+                         "training_args.bin and pushed). Log in with `hf auth login` or set HF_TOKEN instead.")
+
+
+# ---- models and metrics ----------------------------------------------------------------------------------
+def is_tiny(name_or_path: str) -> bool:
+    return name_or_path in TINY_MODELS
+
+
+def load_metric(name: str = "accuracy"):
+    """`evaluate.load(name)`; without Hub access, the same metric from the script in `recipes/metrics/`."""
+    import evaluate
+
+    try:
+        return evaluate.load(name)
+    except Exception as err:  # no network: FileNotFoundError / ConnectionError, depending on the setup
+        local = HERE / "metrics" / f"{name}.py"
+        if not local.exists():
+            raise
+        logger.warning("evaluate.load(%r) failed (%s: no Hub access?); using the bundled %s", name,
+                       type(err).__name__, local.relative_to(HERE.parent))
+        return evaluate.load(str(local))
+
+
+# ---- public → private --------------------------------------------------------------------------------------
+def split_public_private(train, public_fraction: float, seed: int):
+    """Disjoint (public, private) parts of `train`; `public_fraction` of the examples are public."""
+    if not 0 < public_fraction < 1:
+        raise ValueError(f"--public_fraction must be in (0, 1) to split off public data, got {public_fraction}")
+    parts = train.train_test_split(test_size=1 - public_fraction, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def pretrain_on_public(model, public, *, save_dir: str, training_args, epochs: float, learning_rate: float,
+                       batch_size: int, signature: dict, data_collator=None, log=print) -> str:
+    """Train `model` non-privately on `public` with a plain `transformers.Trainer`, `save_pretrained` it into
+    `save_dir` and return `save_dir` (the caller reloads it with `from_pretrained`, as it would a Hub name).
+
+    If `save_dir` already holds a model pre-trained with the same `signature` (model, data, split, seed,
+    schedule), it is reused: runs that share a public model (the demo's ε = 1, ε = 8 and reference) train it once.
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    marker = Path(save_dir) / PUBLIC_PRETRAINING_FILE
+    reuse = marker.exists() and json.loads(marker.read_text()).get("signature") == signature
+    state.wait_for_everyone()  # every process has decided before the main one may write the marker
+    if reuse:
+        log(f"public pre-training: reusing {save_dir} (same model, data, split and schedule)")
+        return save_dir
+    args = TrainingArguments(
+        output_dir=save_dir, per_device_train_batch_size=batch_size, num_train_epochs=epochs,
+        learning_rate=learning_rate, seed=training_args.seed, report_to="none", save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, use_cpu=training_args.use_cpu,
+        remove_unused_columns=training_args.remove_unused_columns, dataloader_drop_last=False,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=public, data_collator=data_collator)
+    result = trainer.train()
+    if state.is_main_process:
+        model.save_pretrained(save_dir)
+        marker.write_text(json.dumps({"signature": signature, "examples": len(public),
+                                      "train_loss": result.training_loss}, indent=2))
+    state.wait_for_everyone()
+    log(f"public pre-training: {len(public)} public examples, {epochs} epochs, non-private → {save_dir}")
+    return save_dir
+
+
+# ---- the end of a run ------------------------------------------------------------------------------------------
+def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_metrics=None) -> dict:
+    """Evaluate, write all_results.json, save the model (weights + ledger + DP card), push if `push`.
+
+    `extra_metrics(metrics) -> dict` adds derived metrics (e.g. perplexity from the eval loss)."""
+    metrics = dict(train_result.metrics)
+    if trainer.eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+    metrics.update(extra_metrics(metrics) if callable(extra_metrics) else {})
+    metrics["epsilon"] = trainer.epsilon()
+    trainer.save_metrics("all", metrics, combined=False)
+    trainer.save_model()  # after the metrics and the law JSON exist, so the card states them
+    if trainer.is_world_process_zero():
+        info = {"model_args": asdict(model_args) if is_dataclass(model_args) else model_args, "metrics": metrics}
+        Path(trainer.args.output_dir, RUN_INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
+    if push:
+        from hf_dp_repr.hub import push_dp_model
+
+        push_dp_model(trainer)
+    return metrics
+
+
+def setup_logging(training_args) -> None:
+    level = logging.INFO if training_args.should_log else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

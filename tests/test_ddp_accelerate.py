@@ -1,0 +1,78 @@
+"""A real 2-process run: the image recipe under `accelerate launch` (gloo on CPU), against the same run in 1 process.
+
+With σ = 1000 the noise dominates the clipped gradient sum (at most B·C = 32 against a noise norm of
+σ·C·√P ≈ 3.7e5), so one SGD step's update Δ = −lr·(Σ clip(g_i) + N(0, σ²C²)) / B has a per-coordinate std of
+lr·σ·C/B. Noise added once per logical batch gives the same std with 1 or 2 processes; noise added on every
+process would give √2 times more with 2 (2 times if the ranks drew the same noise), and dividing by the
+per-process batch would give 2 times more. (Rank 0 draws the noise from the same seeded generator as the
+single process does, so the two updates are in fact nearly identical.)
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import ViTForImageClassification
+
+from hf_dp_repr.tiny import tiny_vit
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "dp_image_classification.py"
+ACCEL_CONFIG = ROOT / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"
+SIGMA, LR, GLOBAL_BATCH = 1000.0, 1e-3, 32
+
+
+def _args(out: Path, per_device: int) -> list[str]:
+    return [str(RECIPE), "--output_dir", str(out), "--public_fraction", "0", "--noise_multiplier", str(SIGMA),
+            "--per_device_train_batch_size", str(per_device), "--max_steps", "1", "--optim", "sgd",
+            "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--weight_decay", "0",
+            "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+            "--max_eval_samples", "64", "--seed", "0"]
+
+
+def _run(cmd: list[str]) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _update_std(out: Path) -> float:
+    """Std over all coordinates of (weights after one step − initial weights) / lr."""
+    before = tiny_vit(num_labels=10, seed=0, num_channels=1, image_size=8).state_dict()
+    after = ViTForImageClassification.from_pretrained(out).state_dict()
+    assert set(after) == set(before)
+    deltas = [(after[k] - before[k]).flatten() for k in after]
+    return float(torch.cat(deltas).std() / LR)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ddp")
+    _run([sys.executable, *_args(base / "one", GLOBAL_BATCH)])
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
+          "--main_process_port", "29517", *_args(base / "two", GLOBAL_BATCH // 2)])
+    return base / "one", base / "two"
+
+
+def test_two_processes_account_the_global_logical_batch(runs):
+    one, two = (json.loads((d / "privacy_ledger.json").read_text()) for d in runs)
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    for led in (one, two):
+        (phase,) = led["phases"]
+        assert phase["expected_batch_size"] == GLOBAL_BATCH  # per device 16 × accumulation 1 × 2 processes
+        assert phase["sample_rate"] == pytest.approx(GLOBAL_BATCH / led["dataset_size"])
+        assert led["steps_done"] == 1
+    assert two["epsilon"] == pytest.approx(one["epsilon"])  # same history → same accountant ε
+
+
+def test_noise_is_added_once_per_update_not_once_per_process(runs):
+    std_one, std_two = (_update_std(d) for d in runs)
+    expected = SIGMA * 1.0 / GLOBAL_BATCH  # σ·C/B with C = 1
+    assert std_one == pytest.approx(expected, rel=0.02)
+    ratio = std_two / std_one
+    print(f"update std: 1 process {std_one:.3f}, 2 processes {std_two:.3f}, ratio {ratio:.4f} (√2 = 1.414)")
+    assert ratio == pytest.approx(1.0, abs=0.03), f"ratio {ratio:.3f}: noise is not added once per logical batch"

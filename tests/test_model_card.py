@@ -1,0 +1,177 @@
+"""The DP model card states the run's facts, and the Hub push sends exactly the DP run's files (captured, no network)."""
+
+import json
+import math
+
+import pytest
+from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl, hf_api
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.data import load_digits_dataset
+from hf_dp_repr.hub import push_dp_model
+from hf_dp_repr.model_card import render_model_card, template_path, write_model_card
+from hf_dp_repr.privacy.accounting import compute_epsilon
+from hf_dp_repr.tiny import tiny_vit
+
+
+def _ledger(**over):
+    history = [[1.25, 0.05, 200]]
+    led = dict(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=0.5, clipping="per_layer",
+               dataset_size=1280, poisson_sampling=True, target_epsilon=4.0, world_size=2,
+               phases=[dict(name="train", noise_multiplier=1.25, sample_rate=0.05, steps=200, expected_batch_size=64)],
+               history=history, steps_done=200, planned_steps=200)
+    led.update(over)
+    led["epsilon"] = compute_epsilon([tuple(h) for h in led["history"]], led["target_delta"], led["accountant"])
+    return led
+
+
+def _law_file(tmp_path):
+    fit = {"rho": 0.4321, "intercept": 1.0, "r": -0.987, "layers": [0, 1, 2, 3, 4]}
+    res = {"rho": 0.8765, "intercept": 0.0, "r": -0.95, "layers": [1, 2, 3, 4]}
+    (tmp_path / "representation_law.json").write_text(json.dumps({"analyses": [
+        {"event": "train_end", "step": 200, "epoch": 10, "fuzziness_law": fit, "residual_law": res}]}))
+    (tmp_path / "all_results.json").write_text(json.dumps({"eval_accuracy": 0.9123, "eval_runtime": 1.5,
+                                                           "train_loss": 0.3, "epsilon": 2.5}))
+
+
+def test_card_states_the_guarantee_data_scope_versions_and_laws(tmp_path):
+    _law_file(tmp_path)
+    led = _ledger()
+    card = render_model_card(led, scope="last 2 of 4 blocks + head (classifier)", output_dir=tmp_path,
+                             model_card_info={"private_data": "PRIVATE-SET-XYZ", "public_data": "PUBLIC-SET-ABC",
+                                              "base_model": "google/vit-base-patch16-224-in21k",
+                                              "datasets": ["cifar10"]})
+    text = card.text
+    eps = f"{led['epsilon']:.4g}"
+    assert f"**{eps}**" in text and f"(ε = {eps}, δ = 1e-05)-differentially private" in text
+    for fact in ("| δ | 1e-05 |", "| target ε | 4 |", "rdp (Opacus)", "| noise multiplier σ | 1.25 |",
+                 "| per-example clipping norm C | 0.5 (per_layer clipping) |",
+                 "Poisson batches, sample rate q = 0.05 (expected logical batch 64)", "| steps taken / planned | 200 / 200 |",
+                 "| epochs (Σ steps × q) | 10 |", "| private training examples (n) | 1280 |", "| processes | 2 |",
+                 "PRIVATE-SET-XYZ", "PUBLIC-SET-ABC", "last 2 of 4 blocks + head (classifier)",
+                 "google/vit-base-patch16-224-in21k", "| eval_accuracy | 0.9123 |",
+                 "| separation fuzziness D_l | 0.4321 | -0.987 | 0..4 |", "| prediction residual PR_l | 0.8765 | -0.95 | 1..4 |"):
+        assert fact in text, fact
+    import opacus
+    import torch
+    import transformers
+
+    for lib in (torch, transformers, opacus):
+        assert f"- {lib.__name__} {lib.__version__}" in text
+    assert "eval_runtime" not in text and "train_loss" not in text  # timings, and a loss on private data
+    assert "NOT differentially private" not in text and "### Phases" not in text
+    assert "differential-privacy" in card.data.tags
+    assert card.data.base_model == "google/vit-base-patch16-224-in21k" and card.data.datasets == ["cifar10"]
+    assert ModelCard(str(card)).data.tags == card.data.tags  # the metadata block round-trips
+
+
+def test_card_of_a_two_phase_run_has_a_phase_table(tmp_path):
+    phases = [dict(name="linear_probe", noise_multiplier=2.0, sample_rate=0.1, steps=30, expected_batch_size=128),
+              dict(name="fine_tune", noise_multiplier=3.5, sample_rate=0.05, steps=70, expected_batch_size=64)]
+    led = _ledger(phases=phases, history=[[2.0, 0.1, 30], [3.5, 0.05, 70]], steps_done=100, planned_steps=100)
+    text = render_model_card(led).text
+    assert "### Phases" in text and "per phase, see the table below" in text
+    assert "| linear_probe | 2 | 0.1 | 128 | 30 |" in text and "| fine_tune | 3.5 | 0.05 | 64 | 70 |" in text
+    assert "| epochs (Σ steps × q) | 6.5 |" in text  # 30·0.1 + 70·0.05
+
+
+def test_card_of_a_legacy_scalar_ledger(tmp_path):
+    led = _ledger()
+    del led["phases"]
+    led.update(noise_multiplier=1.25, sample_rate=0.05, expected_batch_size=64)
+    assert "| noise multiplier σ | 1.25 |" in render_model_card(led).text
+
+
+def test_non_private_and_non_poisson_runs_are_flagged():
+    led = _ledger(history=[[0.0, 0.05, 200]],
+                  phases=[dict(name="train", noise_multiplier=0.0, sample_rate=0.05, steps=200, expected_batch_size=64)])
+    assert math.isinf(led["epsilon"])
+    text = render_model_card(led).text
+    assert "NOT differentially private (ε = ∞)" in text and "-differentially private." not in text
+    text = render_model_card(_ledger(poisson_sampling=False)).text
+    assert "is **not** a proven guarantee" in text and "shuffled fixed-size batches" in text
+
+
+def test_template_is_the_one_in_model_cards():
+    from pathlib import Path
+
+    shipped = Path(template_path())
+    assert shipped.read_text() == (Path(__file__).resolve().parents[1] / "model_cards" / "dp_model_card.md").read_text()
+
+
+# ---- a real run: the card at every save, and the push ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("card_run")
+    args = DPTrainingArguments(output_dir=str(out), target_epsilon=3.0, target_delta=1e-4, max_steps=3,
+                               per_device_train_batch_size=32, learning_rate=1e-3, report_to="none",
+                               save_strategy="steps", save_steps=3, disable_tqdm=True)
+    data = load_digits_dataset()
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=data["train"])
+    trainer.model_card_info = {"private_data": "digits train split"}
+    trainer.train()
+    trainer.save_model()
+    return trainer, out
+
+
+def test_every_save_writes_the_card_next_to_the_ledger(trained):
+    trainer, out = trained
+    for folder in (out, out / "checkpoint-3"):
+        card = ModelCard.load(folder / "README.md")
+        ledger = json.loads((folder / "privacy_ledger.json").read_text())
+        assert f"**{ledger['epsilon']:.4g}**" in card.text and "digits train split" in card.text
+        assert "differential-privacy" in card.data.tags
+    assert write_model_card(trainer, out).text == ModelCard.load(out / "README.md").text
+
+
+class _Capture:
+    """Stands in for the Hub: records create_repo and the operations of create_commit."""
+
+    def __init__(self, monkeypatch):
+        self.repos, self.files, self.validated = [], {}, []
+
+        def create_repo(api, repo_id, **kw):
+            self.repos.append((repo_id, kw.get("private")))
+            return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+        def create_commit(api, repo_id, operations, **kw):
+            for op in operations:
+                src = op.path_or_fileobj
+                self.files[op.path_in_repo] = src.read_bytes() if hasattr(src, "read_bytes") else open(src, "rb").read()
+            return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/0", commit_message="m",
+                              commit_description="", oid="0" * 40)
+
+        def validate_yaml(api, content, **kw):  # the Hub's metadata check of README.md, also a request
+            self.validated.append(content)
+
+        # With hf_xet installed, upload_folder streams through its own pipeline; the single-commit path hands every
+        # file to create_commit, which is where we listen.
+        monkeypatch.setattr(hf_api, "is_xet_available", lambda: False, raising=False)
+        monkeypatch.setattr(HfApi, "_validate_yaml", validate_yaml)
+        monkeypatch.setattr(HfApi, "create_repo", create_repo)
+        monkeypatch.setattr(HfApi, "create_commit", create_commit)
+
+
+def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, monkeypatch, capsys, tmp_path):
+    trainer, out = trained
+    _law_file(out)
+    (out / "representation_law.png").write_bytes(b"png")
+    secret = "hf_SECRETtokenNEVERwritten123"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    hub = _Capture(monkeypatch)
+    trainer.args.hub_model_id = "someone/dp-digits"
+    push_dp_model(trainer)
+    assert hub.repos == [("someone/dp-digits", trainer.args.hub_private_repo)]
+    assert hub.validated and "differential-privacy" in hub.validated[0]
+    sent = set(hub.files)
+    assert {"model.safetensors", "config.json", "privacy_ledger.json", "README.md", "all_results.json",
+            "representation_law.json", "representation_law.png"} <= sent
+    assert not any(p.startswith("checkpoint-") or p == "training_args.bin" for p in sent), sent
+    card = ModelCard(hub.files["README.md"].decode())
+    assert "differential-privacy" in card.data.tags and "| eval_accuracy | 0.9123 |" in card.text
+    assert json.loads(hub.files["privacy_ledger.json"])["steps_done"] == 3
+    printed = capsys.readouterr()
+    assert secret not in printed.out + printed.err
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path

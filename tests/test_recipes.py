@@ -1,0 +1,133 @@
+"""The recipes: --help lists every DP option, --config YAML, the offline public → private run, metrics, push."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import TrainingArguments
+
+from hf_dp_repr import DPTrainingArguments
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import dp_image_classification as image_recipe  # noqa: E402
+import recipe_utils as ru  # noqa: E402
+
+DP_FIELDS = [f for f in dataclasses.fields(DPTrainingArguments)
+             if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}]
+RECIPES = [image_recipe]
+try:
+    import dp_causal_lm as lm_recipe  # noqa: E402
+
+    RECIPES.append(lm_recipe)
+except ImportError:  # pragma: no cover (the language recipe is optional while it is being written)
+    lm_recipe = None
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda m: m.__name__)
+def test_help_lists_every_dp_option_with_its_help(recipe, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        recipe.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert len(DP_FIELDS) >= 8
+    for field in DP_FIELDS:
+        help_text = field.metadata.get("help")
+        assert help_text, f"DPTrainingArguments.{field.name} has no help text"
+        assert f"--{field.name}" in text, field.name
+        first_words = " ".join(help_text.split()[:4]).replace("%", "%%").replace("%%", "%")
+        assert first_words in text, (field.name, first_words)
+    for option in ("--model_name_or_path", "--dataset_name", "--config", "--public_fraction"):
+        assert option in text
+
+
+def test_config_file_is_expanded_and_the_command_line_wins(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("target_epsilon: 2\ntarget_delta: 1.0e-5\nreport_to: [none]\npublic_fraction: 0.25\n"
+                   "analyze_representations: true\noutput_dir: from_yaml\n")
+    margs, targs = ru.parse_args((image_recipe.ImageArguments, DPTrainingArguments),
+                                 ["--config", str(cfg), "--target_epsilon", "8"])
+    assert targs.target_epsilon == 8 and targs.target_delta == 1e-5 and targs.output_dir == "from_yaml"
+    assert margs.public_fraction == 0.25 and margs.analyze_representations is True and margs.config == str(cfg)
+    cfg.write_text("no_such_option: 1\ntarget_epsilon: 1\n")
+    with pytest.raises(ValueError, match="no_such_option"):
+        ru.parse_args((image_recipe.ImageArguments, DPTrainingArguments), ["--config", str(cfg)])
+
+
+def test_every_shipped_config_parses():
+    for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
+        recipe = lm_recipe if "lm" in cfg.name or "gpt2" in cfg.name else image_recipe
+        if recipe is None:
+            continue
+        import yaml
+
+        values = yaml.safe_load(cfg.read_text())
+        budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
+        ru.parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
+
+
+def test_accuracy_metric_works_without_the_hub(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    metric = ru.load_metric("accuracy")
+    assert metric.compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2]) == {"accuracy": 0.75}
+
+
+def test_hub_token_argument_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="HF_TOKEN"):
+        image_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "1", "--hub_token", "hf_x",
+                           "--max_steps", "1"])
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("image")
+    argv = ["--output_dir", str(out / "run"), "--public_model_dir", str(out / "public"), "--target_epsilon", "2",
+            "--target_delta", "1e-4", "--public_fraction", "0.3", "--public_epochs", "1", "--max_steps", "3",
+            "--per_device_train_batch_size", "32", "--trainable_blocks", "1", "--analyze_representations", "true",
+            "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+    metrics = image_recipe.main(argv)
+    return out, argv, metrics
+
+
+def test_image_recipe_public_then_private_offline(image_run):
+    out, _, metrics = image_run
+    run = out / "run"
+    ledger = json.loads((run / "privacy_ledger.json").read_text())
+    n_public = json.loads((out / "public" / ru.PUBLIC_PRETRAINING_FILE).read_text())["examples"]
+    assert n_public == round(0.3 * 1437) and ledger["dataset_size"] == 1437 - n_public  # disjoint, complementary
+    assert 0 < metrics["epsilon"] <= 2.0 and metrics["epsilon"] == pytest.approx(ledger["epsilon"])
+    assert 0 <= metrics["eval_accuracy"] <= 1
+    results = json.loads((run / "all_results.json").read_text())
+    assert results["eval_accuracy"] == metrics["eval_accuracy"]
+    laws = json.loads((run / "representation_law.json").read_text())["analyses"]
+    assert laws[0]["fuzziness_law"]["rho"] > 0 and (run / "representation_law.png").exists()
+    card = (run / "README.md").read_text()
+    assert f"**{ledger['epsilon']:.4g}**" in card and f"{n_public} other examples" in card
+    assert f"{laws[-1]['fuzziness_law']['rho']:.4g}" in card and "last 1 of 4 blocks" in card
+    from transformers import AutoModelForImageClassification
+
+    AutoModelForImageClassification.from_pretrained(run)  # a plain HF model
+
+
+def test_public_model_is_reused_by_runs_with_the_same_settings(image_run, caplog):
+    out, argv, _ = image_run
+    marker = out / "public" / ru.PUBLIC_PRETRAINING_FILE
+    before = marker.stat().st_mtime_ns
+    image_recipe.main([a if a != str(out / "run") else str(out / "run2") for a in argv])
+    assert marker.stat().st_mtime_ns == before
+
+
+def test_recipe_push_sends_the_dp_run(image_run, monkeypatch):
+    from test_model_card import _Capture
+
+    out, argv, _ = image_run
+    hub = _Capture(monkeypatch)
+    image_recipe.main([a if a != str(out / "run") else str(out / "pushed") for a in argv]
+                      + ["--push_to_hub", "true", "--hub_model_id", "someone/digits-dp"])
+    assert hub.repos[0][0] == "someone/digits-dp"
+    assert {"model.safetensors", "README.md", "privacy_ledger.json", "all_results.json", "representation_law.json",
+            "representation_law.png"} <= set(hub.files)
+    assert not any("public" in p or p == "training_args.bin" for p in hub.files)
