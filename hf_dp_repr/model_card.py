@@ -10,15 +10,15 @@ What the trainer cannot know, the caller says through `trainer.model_card_info` 
 `base_model_description` (free text), `datasets` (Hub dataset ids, for the metadata), `model_name`, `analysis_data`
 (what the representation laws were measured on), `license`.
 
-Example:
-    >>> from types import SimpleNamespace
-    >>> from hf_dp_repr.privacy.accounting import PrivacyLedger
-    >>> led = PrivacyLedger(accountant="prv", target_delta=1e-5, noise_multiplier=1.1, sample_rate=0.01,
-    ...     planned_steps=100, per_sample_max_grad_norm=1.0, clipping="flat", expected_batch_size=64,
-    ...     dataset_size=6400, poisson_sampling=True, target_epsilon=3.0, history=[(1.1, 0.01, 100)])
-    >>> card = render_model_card(led.to_dict(), model_card_info={"private_data": "my records"})
-    >>> "differential-privacy" in card.data.tags, "my records" in card.text
-    (True, True)
+Example (a ledger as `PrivacyLedger.to_dict()` writes it; ε computed by the accountant):
+    >>> from hf_dp_repr.privacy.accounting import compute_epsilon
+    >>> led = dict(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
+    ...     dataset_size=6400, poisson_sampling=True, target_epsilon=3.0, planned_steps=100, steps_done=100,
+    ...     phases=[dict(name="train", noise_multiplier=1.1, sample_rate=0.01, steps=100, expected_batch_size=64)],
+    ...     history=[(1.1, 0.01, 100)], epsilon=compute_epsilon([(1.1, 0.01, 100)], 1e-5))
+    >>> card = render_model_card(led, model_card_info={"private_data": "my records"})
+    >>> "differential-privacy" in card.data.tags, "my records" in card.text, "| noise multiplier σ | 1.1 |" in card.text
+    (True, True, True)
 """
 
 from __future__ import annotations
