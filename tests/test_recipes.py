@@ -1,6 +1,7 @@
 """The recipes: --help lists every DP option, --config YAML, the offline public → private run, metrics, push."""
 
 import dataclasses
+import math
 import json
 import sys
 from pathlib import Path
@@ -131,3 +132,32 @@ def test_recipe_push_sends_the_dp_run(image_run, monkeypatch):
     assert {"model.safetensors", "README.md", "privacy_ledger.json", "all_results.json", "representation_law.json",
             "representation_law.png"} <= set(hub.files)
     assert not any("public" in p or p == "training_args.bin" for p in hub.files)
+
+
+def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    metrics = lm_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-5",
+                              "--max_steps", "4", "--per_device_train_batch_size", "32", "--public_epochs", "1",
+                              "--tokenizer_vocab_size", "300", "--max_eval_blocks", "64", "--save_strategy", "no",
+                              "--report_to", "none", "--disable_tqdm", "true", "--analyze_representations", "true"])
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert 0 < metrics["epsilon"] <= 8
+    tok = AutoTokenizer.from_pretrained(tmp_path)  # saved with the model: from_pretrained + generate work
+    assert len(tok) == 300
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    out = model.generate(**tok("The", return_tensors="pt"), max_new_tokens=5, do_sample=False,
+                         pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > 1
+    card = (tmp_path / "README.md").read_text()
+    assert "to train the tokenizer" in card and "one block is one unit of privacy" in card
+    assert json.loads((tmp_path / "representation_law.json").read_text())["analyses"][-1]["residual_law"]
+
+
+def test_causal_lm_public_and_private_documents_are_disjoint():
+    from dp_causal_lm import LMArguments, load_documents
+
+    docs = load_documents(LMArguments())
+    public, private = ru.split_public_private(docs["train"], 0.5, seed=0)
+    assert len(public) + len(private) == len(docs["train"])
+    assert sorted(list(public["text"]) + list(private["text"])) == sorted(docs["train"]["text"])  # a partition

@@ -1,0 +1,248 @@
+"""DP fine-tuning of a causal language model with `DPTrainer`, for `python` or `accelerate launch`.
+
+Offline default: the docstrings of Python's standard library (real English that ships with Python), split by
+document into public / private / test parts; a BPE tokenizer trained locally with `tokenizers` on the PUBLIC part
+only (when no tokenizer can be fetched); a 2-block GPT-2 pre-trained non-privately on the public part, then
+fine-tuned under DP on the disjoint private part. Metric: perplexity = exp(eval loss).
+
+    python recipes/dp_causal_lm.py --output_dir out/lm-eps8 --target_epsilon 8 --target_delta 1e-5
+
+Two CPU processes (gloo), or several GPUs:
+
+    accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml recipes/dp_causal_lm.py \
+        --output_dir out/lm-ddp --target_epsilon 8 --target_delta 1e-5 --max_steps 20
+    accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/dp_causal_lm.py \
+        --config recipes/configs/gpt2_wikitext2_eps3.yaml
+
+GPT-2 on wikitext-2 (needs Hub access), pushed with its DP model card:
+
+    accelerate launch recipes/dp_causal_lm.py --model_name_or_path gpt2 --dataset_name wikitext \
+        --dataset_config_name wikitext-2-raw-v1 --eval_split validation --block_size 128 \
+        --target_epsilon 3 --target_delta 1e-5 --push_to_hub --hub_model_id me/gpt2-wikitext2-dp \
+        --output_dir out/gpt2-eps3
+
+`--model_name_or_path`: Hub name, local folder, or a built-in tiny config (`tiny_gpt2`, `tiny_llama`).
+`--dataset_name`: `stdlib-docs` (embedded), a `save_to_disk` folder, or anything `datasets.load_dataset` takes.
+The unit of privacy is one block of `--block_size` tokens (the examples DP-SGD samples). Every DP option: `--help`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import recipe_utils as ru  # noqa: E402  (sibling module)
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
+
+logger = logging.getLogger("hf_dp_repr.recipes.lm")
+STDLIB = "stdlib-docs"
+
+
+@dataclass
+class LMArguments:
+    """Model and data of the causal-LM recipe."""
+
+    model_name_or_path: str = field(default="tiny_gpt2", metadata={
+        "help": "Hub name (gpt2), local folder, or built-in tiny config (tiny_gpt2, tiny_llama)."})
+    tokenizer_name: str | None = field(default=None, metadata={
+        "help": "Tokenizer (Hub name or folder); default: the model's. When none can be loaded, a BPE tokenizer is "
+                "trained locally on the PUBLIC text (never on the private text)."})
+    tokenizer_vocab_size: int = field(default=512, metadata={"help": "Vocabulary of a locally trained tokenizer."})
+    dataset_name: str = field(default=STDLIB, metadata={
+        "help": "'stdlib-docs' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "e.g. wikitext-2-raw-v1."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
+    train_split: str = field(default="train", metadata={"help": "Split trained on (the private data)."})
+    eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
+    block_size: int = field(default=64, metadata={"help": "Tokens per training example (one unit of privacy)."})
+    max_eval_blocks: int | None = field(default=None, metadata={"help": "Evaluate on at most this many blocks."})
+    public_fraction: float | None = field(default=None, metadata={
+        "help": "Share of the training documents used as PUBLIC data (non-private pre-training, and the "
+                "tokenizer if one is trained); DP fine-tuning uses the disjoint rest. Default: 0.5 for a tiny "
+                "config, 0 otherwise."})
+    public_epochs: float = field(default=3, metadata={"help": "Epochs of the non-private public pre-training."})
+    public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
+    public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
+    public_model_dir: str | None = field(default=None, metadata={
+        "help": "Where the publicly pre-trained model is saved (default: <output_dir>/public_pretrained)."})
+    analyze_representations: bool = field(default=False, metadata={
+        "help": "Measure the prediction-residual law (hidden state → next token) on the eval blocks."})
+    analysis_max_examples: int | None = field(default=256, metadata={"help": "Analyse at most this many blocks."})
+    config: str | None = field(default=None, metadata={
+        "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
+
+
+ARGUMENT_TYPES = (LMArguments, DPTrainingArguments)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the recipe; returns the final metrics (perplexity, ε, ...)."""
+    margs, targs = ru.parse_args(ARGUMENT_TYPES, argv)
+    ru.setup_logging(targs)
+    ru.refuse_hub_token(targs)
+    push = targs.push_to_hub
+    targs.push_to_hub = False  # pushed once at the end by hf_dp_repr.hub (DP card, allow-listed files)
+    name = margs.model_name_or_path
+    public_fraction = margs.public_fraction if margs.public_fraction is not None else (0.5 if ru.is_tiny(name) else 0.0)
+
+    docs = load_documents(margs)
+    public_docs, private_docs = (None, docs["train"]) if public_fraction == 0 else ru.split_public_private(
+        docs["train"], public_fraction, targs.seed)
+    tokenizer = load_or_train_tokenizer(margs, public_docs, save_dir=targs.output_dir)
+    model = _load_model(name, tokenizer, margs.block_size, targs.seed)
+    blocks = {k: to_blocks(d, tokenizer, margs) for k, d in
+              (("private", private_docs), ("eval", docs["eval"]), ("public", public_docs)) if d is not None}
+    if margs.max_eval_blocks:
+        blocks["eval"] = blocks["eval"].select(range(min(margs.max_eval_blocks, len(blocks["eval"]))))
+
+    if public_docs is not None:
+        save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
+        signature = dict(model=name, dataset=margs.dataset_name, config=margs.dataset_config_name,
+                         fraction=public_fraction, seed=targs.seed, epochs=margs.public_epochs,
+                         lr=margs.public_learning_rate, batch=margs.public_batch_size, block=margs.block_size,
+                         vocab=len(tokenizer))
+        path = ru.pretrain_on_public(model, blocks["public"], save_dir=save_dir, training_args=targs,
+                                     epochs=margs.public_epochs, learning_rate=margs.public_learning_rate,
+                                     batch_size=margs.public_batch_size, signature=signature, log=logger.warning)
+        model = type(model).from_pretrained(path)
+
+    callbacks = []
+    if margs.analyze_representations:
+        from hf_dp_repr.analysis import RepresentationLawCallback
+
+        callbacks.append(RepresentationLawCallback(blocks["eval"], task="causal-lm",
+                                                   max_examples=margs.analysis_max_examples))
+    trainer = DPTrainer(model=model, args=targs, train_dataset=blocks["private"], eval_dataset=blocks["eval"],
+                        processing_class=tokenizer, callbacks=callbacks)
+    trainer.model_card_info = dict(
+        model_name=f"{name} DP fine-tuned on {margs.dataset_name}",
+        base_model=None if ru.is_tiny(name) else name,
+        base_model_description=(f"{name} (built-in tiny config, random init), pre-trained here on the public data"
+                                if ru.is_tiny(name) and public_docs is not None else name),
+        datasets=[margs.dataset_name] if margs.dataset_name != STDLIB else [],
+        private_data=(f"{len(blocks['private'])} blocks of {margs.block_size} tokens from {len(private_docs)} "
+                      f"documents of the '{margs.train_split}' split of {margs.dataset_name}; one block is one "
+                      "unit of privacy"),
+        public_data=(f"{len(public_docs)} other documents of the same split (disjoint), used for non-private "
+                     f"pre-training{' and to train the tokenizer' if getattr(tokenizer, '_trained_here', False) else ''}"
+                     if public_docs is not None else f"the pre-trained weights and tokenizer of {name}"),
+        analysis_data=f"{len(blocks['eval'])} blocks of the '{margs.eval_split}' split (not trained on)",
+    )
+    result = trainer.train()
+    return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity)
+
+
+def _perplexity(metrics: dict) -> dict:
+    return {"eval_perplexity": math.exp(metrics["eval_loss"])} if "eval_loss" in metrics else {}
+
+
+# ---- data ------------------------------------------------------------------------------------------------------
+def load_documents(margs: LMArguments):
+    """{"train", "eval"} datasets with one document per row in `text`."""
+    import datasets
+
+    if margs.dataset_name == STDLIB:
+        from hf_dp_repr.analysis.corpus import stdlib_text
+
+        paragraphs = [p for p in stdlib_text().split("\n\n") if p.strip()]
+        n_eval = len(paragraphs) // 10
+        return {"train": datasets.Dataset.from_dict({"text": paragraphs[:-n_eval]}),
+                "eval": datasets.Dataset.from_dict({"text": paragraphs[-n_eval:]})}
+    if os.path.isdir(margs.dataset_name) and os.path.exists(os.path.join(margs.dataset_name, "dataset_dict.json")):
+        raw = datasets.load_from_disk(margs.dataset_name)
+    else:
+        raw = datasets.load_dataset(margs.dataset_name, margs.dataset_config_name)
+    out = {}
+    for key, split in (("train", margs.train_split), ("eval", margs.eval_split)):
+        if split not in raw:
+            raise ValueError(f"--dataset_name {margs.dataset_name} has no split {split!r} (it has {list(raw)}); "
+                             "set --train_split / --eval_split.")
+        ds = raw[split]
+        if margs.text_column != "text":
+            ds = ds.rename_column(margs.text_column, "text")
+        out[key] = ds.filter(lambda t: bool(t.strip()), input_columns="text")
+    return out
+
+
+def to_blocks(docs, tokenizer, margs: LMArguments):
+    """Tokenise, concatenate (documents separated by EOS) and cut into blocks of `block_size`; labels = input_ids."""
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"ids": [row + [eos] for row in ids]}
+
+    def group(batch):
+        flat = [t for row in batch["ids"] for t in row]
+        n = len(flat) // margs.block_size * margs.block_size
+        blocks = [flat[i:i + margs.block_size] for i in range(0, n, margs.block_size)]
+        return {"input_ids": blocks, "attention_mask": [[1] * margs.block_size for _ in blocks],
+                "labels": [list(b) for b in blocks]}
+
+    tokens = docs.map(tokenize, batched=True, remove_columns=docs.column_names)
+    return tokens.map(group, batched=True, batch_size=1000, remove_columns=["ids"]).with_format("torch")
+
+
+def load_or_train_tokenizer(margs: LMArguments, public_docs, save_dir: str):
+    from transformers import AutoTokenizer
+
+    name = margs.tokenizer_name or (None if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path)
+    if name is not None:
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+            if tok.eos_token_id is None:
+                raise ValueError(f"tokenizer {name} has no EOS token; the recipe separates documents with it")
+            return tok
+        except OSError as err:
+            logger.warning("tokenizer %s cannot be loaded (%s); training one locally on the public text", name,
+                           type(err).__name__)
+    if public_docs is None:
+        raise ValueError("no tokenizer could be loaded and there is no public data to train one on (a tokenizer "
+                         "trained on the private text would leak it). Give --tokenizer_name or --public_fraction.")
+    return train_tokenizer(public_docs["text"], margs.tokenizer_vocab_size)
+
+
+def train_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2 style) trained with `tokenizers` on `texts`, as a fast HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(list(texts), trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>")
+    tok._trained_here = True
+    return tok
+
+
+def _load_model(name, tokenizer, block_size, seed):
+    vocab = len(tokenizer)
+    if ru.is_tiny(name):
+        if name not in ("tiny_gpt2", "tiny_llama"):
+            raise ValueError(f"--model_name_or_path {name}: the language recipe's tiny configs are tiny_gpt2, "
+                             "tiny_llama.")
+        kw = dict(n_positions=max(64, block_size)) if name == "tiny_gpt2" else dict(
+            max_position_embeddings=max(64, block_size))
+        ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+        return ru.TINY_MODELS[name](vocab_size=vocab, seed=seed, **kw, **ids)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(name)
+    if model.get_input_embeddings().num_embeddings < vocab:
+        model.resize_token_embeddings(vocab)
+    return model
+
+
+if __name__ == "__main__":
+    main()
