@@ -40,6 +40,14 @@ def _run(cmd: list[str]) -> None:
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _update_std(out: Path) -> float:
     """Std over all coordinates of (weights after one step − initial weights) / lr."""
     before = tiny_vit(num_labels=10, seed=0, num_channels=1, image_size=8).state_dict()
@@ -54,7 +62,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ddp")
     _run([sys.executable, *_args(base / "one", GLOBAL_BATCH)])
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-          "--main_process_port", "29517", *_args(base / "two", GLOBAL_BATCH // 2)])
+          "--main_process_port", str(_free_port()), *_args(base / "two", GLOBAL_BATCH // 2)])
     return base / "one", base / "two"
 
 
