@@ -66,6 +66,9 @@ class ImageArguments:
     max_train_samples_per_class: int | None = field(default=None, metadata={
         "help": "Keep this many training images per class (seed 000: 100), chosen with --seed."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many images."})
+    image_size: int | None = field(default=None, metadata={
+        "help": "Resize images to this size when the model has no image processor of its own (default: the "
+                "model config's image_size)."})
     public_fraction: float | None = field(default=None, metadata={
         "help": "Share of the training split used as PUBLIC data: the model is first trained on it non-privately, "
                 "then DP fine-tuned on the disjoint rest. Default: 0.5 for a tiny config (no pretrained weights), "
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     num_labels, id2label = _labels(data["train"], label_col)
     model_name = margs.model_name_or_path
     model = _load_model(model_name, num_labels, id2label, data["train"], image_col, targs.seed)
-    data = _with_pixel_values(data, model_name, model, image_col, label_col)
+    data = _with_pixel_values(data, model_name, model, image_col, label_col, margs.image_size)
     collate = _collate
 
     public_fraction = margs.public_fraction if margs.public_fraction is not None else (
@@ -158,6 +161,8 @@ def load_image_data(margs: ImageArguments, seed: int):
         from hf_dp_repr.data import load_digits_dataset
 
         raw = load_digits_dataset()
+    elif margs.dataset_name.endswith(".npz"):
+        raw = _load_npz(margs.dataset_name)
     elif os.path.isdir(margs.dataset_name) and os.path.exists(os.path.join(margs.dataset_name, "dataset_dict.json")):
         raw = datasets.load_from_disk(margs.dataset_name)
     else:
@@ -174,6 +179,24 @@ def load_image_data(margs: ImageArguments, seed: int):
     if margs.max_eval_samples:
         evals = evals.select(range(min(margs.max_eval_samples, len(evals))))
     return {"train": train, "eval": evals}, image_col, label_col
+
+
+def _load_npz(path: str):
+    """A .npz of uint8 images (N, H, W, C) and int labels: x_train, y_train, x_test, y_test (e.g. CIFAR arrays)."""
+    import datasets
+
+    arrays = np.load(path)
+    missing = {"x_train", "y_train", "x_test", "y_test"} - set(arrays.files)
+    if missing:
+        raise ValueError(f"--dataset_name {path}: a .npz needs x_train, y_train, x_test, y_test; missing {missing}")
+    n_classes = int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(num_classes=n_classes)})
+
+    def split(x, y):
+        return datasets.Dataset.from_dict({"img": list(x), "label": [int(v) for v in y]}, features=features)
+
+    return datasets.DatasetDict(train=split(arrays["x_train"], arrays["y_train"]),
+                                test=split(arrays["x_test"], arrays["y_test"]))
 
 
 def _first(columns, candidates, flag):
@@ -199,7 +222,7 @@ def _labels(train, label_col):
     return n, {i: str(i) for i in range(n)}
 
 
-def _with_pixel_values(data, model_name, model, image_col, label_col):
+def _with_pixel_values(data, model_name, model, image_col, label_col, image_size=None):
     """Rename to `pixel_values` / `labels`; decode images lazily with the model's image processor."""
     out = {}
     for key, ds in data.items():
@@ -208,7 +231,7 @@ def _with_pixel_values(data, model_name, model, image_col, label_col):
         if image_col == "pixel_values":
             out[key] = ds.with_format("torch")
             continue
-        processor = _image_processor(model_name, model)
+        processor = _image_processor(model_name, model, image_size)
 
         def transform(batch, _col=image_col, _proc=processor):
             images = [im.convert("RGB") if model.config.num_channels == 3 else im.convert("L") for im in batch[_col]]
@@ -218,7 +241,7 @@ def _with_pixel_values(data, model_name, model, image_col, label_col):
     return out
 
 
-def _image_processor(model_name, model):
+def _image_processor(model_name, model, image_size=None):
     from transformers import AutoImageProcessor, ViTImageProcessor
 
     if not ru.is_tiny(model_name):
@@ -226,7 +249,7 @@ def _image_processor(model_name, model):
             return AutoImageProcessor.from_pretrained(model_name)
         except OSError:
             logger.warning("no image processor found for %s; resizing to the model's image size", model_name)
-    size = model.config.image_size
+    size = image_size or model.config.image_size
     return ViTImageProcessor(size={"height": size, "width": size}, do_normalize=True)
 
 
@@ -248,7 +271,7 @@ def _load_model(name, num_labels, id2label, train, image_col, seed):
 
     return AutoModelForImageClassification.from_pretrained(
         name, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
-        ignore_mismatched_sizes=True)
+        ignore_mismatched_sizes=True, dtype=torch.float32)  # DP-SGD in float32, whatever the stored weights
 
 
 if __name__ == "__main__":
