@@ -149,6 +149,9 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise ValueError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
     _validate_lp_fields(args)
+    if args.hub_token:
+        raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
+                         "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
     if args.auto_find_batch_size:
         raise ValueError(
             "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "

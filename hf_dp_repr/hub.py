@@ -10,8 +10,8 @@ leaves there (checkpoints, `training_args.bin`, cached features, public pre-trai
 - `privacy_ledger.json`;
 - `README.md`: the DP model card (`hf_dp_repr.model_card`), rendered again just before the upload.
 
-The token is the one `huggingface_hub` finds itself (`hf auth login` or `HF_TOKEN`), or `trainer.args.hub_token`;
-it is passed to the client and never printed or written.
+The token is the one `huggingface_hub` finds itself (`hf auth login` or `HF_TOKEN`), or the `token` argument; it
+is passed to the client and never printed or written. `DPTrainer.push_to_hub()` saves and then calls this.
 
 Example (no network: what would be uploaded):
     >>> from hf_dp_repr.hub import files_to_push
@@ -51,7 +51,7 @@ def files_to_push(folder: str | os.PathLike) -> list[str]:
 
 
 def push_dp_model(trainer, repo_id: str | None = None, *, commit_message: str = "DP-SGD run (hf-dp-repr)",
-                  private: bool | None = None, revision: str | None = None):
+                  private: bool | None = None, revision: str | None = None, token: str | None = None):
     """Upload the run in `trainer.args.output_dir` to `repo_id` (default: `args.hub_model_id`, else the output
     folder's name); returns huggingface_hub's `CommitInfo`. Call after `trainer.save_model()`.
 
@@ -68,7 +68,7 @@ def push_dp_model(trainer, repo_id: str | None = None, *, commit_message: str = 
                          "model is never pushed without the record of its guarantee.")
     write_model_card(trainer, folder)  # fresh: it now sees all_results.json and the law files
     repo_id = repo_id or args.hub_model_id or folder.resolve().name
-    api = HfApi(token=args.hub_token or None)
+    api = HfApi(token=token)
     private = args.hub_private_repo if private is None else private
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     return api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message,

@@ -26,6 +26,8 @@ Example (runs in seconds on a CPU):
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import warnings
 
 import datasets
@@ -400,6 +402,36 @@ class DPTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call=_internal_call)
         self._save_privacy_record(output_dir or self.args.output_dir)
+
+    # ---- Hub ------------------------------------------------------------------------------------------
+    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, **kwargs):
+        """Save, then upload the run through `hf_dp_repr.hub.push_dp_model`: an allow-list of files (weights,
+        metrics, representation laws, privacy ledger, the DP model card), never checkpoints or training_args.bin."""
+        from .hub import push_dp_model
+
+        self.save_model(_internal_call=True)
+        return push_dp_model(self, self.args.hub_model_id, commit_message=commit_message, revision=revision,
+                             token=token)
+
+    def create_model_card(self, *args, **kwargs):
+        """The DP model card (ε, δ, σ, scope, ...), never the Trainer's generic one, which would overwrite it."""
+        if self.ledger is None:
+            return super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            from .model_card import write_model_card
+
+            write_model_card(self, self.args.output_dir)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The Trainer copies only the weights from the checkpoint before pushing the output folder: bring the
+        # checkpoint's ledger and card along, so what is pushed states the guarantee of those weights.
+        if self.is_world_process_zero():
+            for name in (LEDGER_FILE, "README.md"):
+                src = os.path.join(checkpoint_folder, name)
+                if os.path.isfile(src):
+                    shutil.copy(src, os.path.join(self.args.output_dir, name))
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def _prepare_cached_head(self) -> None:
         """Decide whether this linear probe runs on cached head inputs, and compute them once if so."""

@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (accuracy, ε, ...)."""
     margs, targs = ru.parse_args(ARGUMENT_TYPES, argv)
     ru.setup_logging(targs)
-    ru.refuse_hub_token(targs)
     push = targs.push_to_hub
     targs.push_to_hub = False  # pushed once at the end by hf_dp_repr.hub (DP card, allow-listed files)
     targs.remove_unused_columns = False  # the collator below picks the columns

@@ -79,13 +79,6 @@ def yaml_to_argv(path: str) -> list[str]:
     return argv
 
 
-def refuse_hub_token(training_args) -> None:
-    """The Trainer pickles its arguments into training_args.bin (which is pushed): a token there would leak."""
-    if getattr(training_args, "hub_token", None):
-        raise ValueError("--hub_token: do not pass the Hub token as an argument (it would be pickled into "
-                         "training_args.bin and pushed). Log in with `hf auth login` or set HF_TOKEN instead.")
-
-
 # ---- models and metrics ----------------------------------------------------------------------------------
 def is_tiny(name_or_path: str) -> bool:
     return name_or_path in TINY_MODELS

@@ -175,3 +175,20 @@ def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, monkeypat
     for path in out.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+def test_trainer_push_to_hub_sends_the_dp_card_through_the_allow_list(trained, monkeypatch):
+    trainer, out = trained
+    hub = _Capture(monkeypatch)
+    trainer.args.hub_model_id = "someone/dp-digits-2"
+    trainer.create_model_card(model_name="x")  # the Trainer's generic card must not replace the DP card
+    assert "differential-privacy" in ModelCard.load(out / "README.md").data.tags
+    trainer.push_to_hub(commit_message="test push")
+    assert hub.repos[-1][0] == "someone/dp-digits-2"
+    assert "training_args.bin" not in hub.files and "privacy_ledger.json" in hub.files
+    assert "differential-privacy" in ModelCard(hub.files["README.md"].decode()).data.tags
+
+
+def test_hub_token_in_arguments_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="hub_token would be pickled.*HF_TOKEN"):
+        DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, hub_token="hf_x")
