@@ -345,13 +345,16 @@ class DPTrainer(Trainer):
             raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")
         labels = inputs.pop("labels")
         _batch_position_ids(self.model, inputs)
-        with self.compute_loss_context_manager():
-            if self._cached_head is not None:
-                outputs = ModelOutput(logits=self.model.get_submodule(self._cached_head)(inputs["features"]))
-            else:
-                outputs = model(**inputs)
-            losses = self.per_example_loss(outputs, labels)
-        self.accelerator.backward(losses.sum())
+        # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
+        # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
+        with self.accelerator.no_sync(model):
+            with self.compute_loss_context_manager():
+                if self._cached_head is not None:
+                    outputs = ModelOutput(logits=self.model.get_submodule(self._cached_head)(inputs["features"]))
+                else:
+                    outputs = model(**inputs)
+                losses = self.per_example_loss(outputs, labels)
+            self.accelerator.backward(losses.sum())
         self._dp_optimizer.accumulate_micro_batch()
         return losses.detach().mean() / self.current_gradient_accumulation_steps
 

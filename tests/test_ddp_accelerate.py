@@ -26,8 +26,8 @@ ACCEL_CONFIG = ROOT / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"
 SIGMA, LR, GLOBAL_BATCH = 1000.0, 1e-3, 32
 
 
-def _args(out: Path, per_device: int) -> list[str]:
-    return [str(RECIPE), "--output_dir", str(out), "--public_fraction", "0", "--noise_multiplier", str(SIGMA),
+def _args(out: Path, per_device: int, sigma: float = SIGMA) -> list[str]:
+    return [str(RECIPE), "--output_dir", str(out), "--public_fraction", "0", "--noise_multiplier", str(sigma),
             "--per_device_train_batch_size", str(per_device), "--max_steps", "1", "--optim", "sgd",
             "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--weight_decay", "0",
             "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
@@ -57,13 +57,16 @@ def _update_std(out: Path) -> float:
     return float(torch.cat(deltas).std() / LR)
 
 
+def _one_and_two_processes(base: Path, sigma: float) -> tuple[Path, Path]:
+    _run([sys.executable, *_args(base / "one", GLOBAL_BATCH, sigma)])
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
+          "--main_process_port", str(_free_port()), *_args(base / "two", GLOBAL_BATCH // 2, sigma)])
+    return base / "one", base / "two"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ddp")
-    _run([sys.executable, *_args(base / "one", GLOBAL_BATCH)])
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-          "--main_process_port", str(_free_port()), *_args(base / "two", GLOBAL_BATCH // 2)])
-    return base / "one", base / "two"
+    return _one_and_two_processes(tmp_path_factory.mktemp("ddp"), SIGMA)
 
 
 def test_two_processes_account_the_global_logical_batch(runs):
@@ -84,3 +87,15 @@ def test_noise_is_added_once_per_update_not_once_per_process(runs):
     ratio = std_two / std_one
     print(f"update std: 1 process {std_one:.3f}, 2 processes {std_two:.3f}, ratio {ratio:.4f} (√2 = 1.414)")
     assert ratio == pytest.approx(1.0, abs=0.03), f"ratio {ratio:.3f}: noise is not added once per logical batch"
+
+
+def test_without_noise_two_processes_make_the_single_process_update(tmp_path):
+    """σ = 0: the clipped per-example gradients of both ranks' halves of the same Poisson batch are summed across
+    processes once (by the DP optimizer, not DDP) and divided by the global batch: the same update as 1 process."""
+    one, two = _one_and_two_processes(tmp_path, 0.0)
+    before = tiny_vit(num_labels=10, seed=0, num_channels=1, image_size=8).state_dict()
+    a, b = (ViTForImageClassification.from_pretrained(d).state_dict() for d in (one, two))
+    moved = sum(float((a[k] - before[k]).abs().sum()) for k in a)
+    assert moved > 0
+    for k in a:
+        torch.testing.assert_close(b[k] - before[k], a[k] - before[k], rtol=1e-3, atol=1e-7, msg=k)
