@@ -83,10 +83,7 @@ ARGUMENT_TYPES = (LMArguments, DPTrainingArguments)
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (perplexity, ε, ...)."""
-    margs, targs = ru.parse_args(ARGUMENT_TYPES, argv)
-    ru.setup_logging(targs)
-    push = targs.push_to_hub
-    targs.push_to_hub = False  # pushed once at the end by hf_dp_repr.hub (DP card, allow-listed files)
+    margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     name = margs.model_name_or_path
     public_fraction = margs.public_fraction if margs.public_fraction is not None else (0.5 if ru.is_tiny(name) else 0.0)
 
@@ -153,16 +150,10 @@ def load_documents(margs: LMArguments):
         n_eval = len(paragraphs) // 10
         return {"train": datasets.Dataset.from_dict({"text": paragraphs[:-n_eval]}),
                 "eval": datasets.Dataset.from_dict({"text": paragraphs[-n_eval:]})}
-    if os.path.isdir(margs.dataset_name) and os.path.exists(os.path.join(margs.dataset_name, "dataset_dict.json")):
-        raw = datasets.load_from_disk(margs.dataset_name)
-    else:
-        raw = datasets.load_dataset(margs.dataset_name, margs.dataset_config_name)
+    raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
     out = {}
-    for key, split in (("train", margs.train_split), ("eval", margs.eval_split)):
-        if split not in raw:
-            raise ValueError(f"--dataset_name {margs.dataset_name} has no split {split!r} (it has {list(raw)}); "
-                             "set --train_split / --eval_split.")
-        ds = raw[split]
+    splits = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
+    for key, ds in zip(("train", "eval"), splits):
         if margs.text_column != "text":
             ds = ds.rename_column(margs.text_column, "text")
         out[key] = ds.filter(lambda t: bool(t.strip()), input_columns="text")

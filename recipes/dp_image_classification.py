@@ -92,14 +92,11 @@ ARGUMENT_TYPES = (ImageArguments, DPTrainingArguments)
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (accuracy, ε, ...)."""
-    margs, targs = ru.parse_args(ARGUMENT_TYPES, argv)
-    ru.setup_logging(targs)
-    push = targs.push_to_hub
-    targs.push_to_hub = False  # pushed once at the end by hf_dp_repr.hub (DP card, allow-listed files)
+    margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     targs.remove_unused_columns = False  # the collator below picks the columns
 
     data, image_col, label_col = load_image_data(margs, targs.seed)
-    num_labels, id2label = _labels(data["train"], label_col)
+    num_labels, id2label = ru.class_names(data["train"], label_col)
     model_name = margs.model_name_or_path
     model = _load_model(model_name, num_labels, id2label, data["train"], image_col, targs.seed)
     data = _with_pixel_values(data, model_name, model, image_col, label_col, margs.image_size)
@@ -127,13 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         callbacks.append(RepresentationLawCallback(data["eval"], max_examples=margs.analysis_max_examples))
 
-    accuracy = ru.load_metric("accuracy")
-
-    def compute_metrics(pred):
-        return accuracy.compute(predictions=np.argmax(pred.predictions, axis=-1), references=pred.label_ids)
-
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
-                        data_collator=collate, compute_metrics=compute_metrics, callbacks=callbacks)
+                        data_collator=collate, compute_metrics=ru.accuracy_metrics(), callbacks=callbacks)
     trainer.model_card_info = dict(
         model_name=f"{model_name} DP fine-tuned on {margs.dataset_name}",
         base_model=None if ru.is_tiny(model_name) else model_name,
@@ -154,7 +146,6 @@ def main(argv: list[str] | None = None) -> dict:
 # ---- data ----------------------------------------------------------------------------------------------------
 def load_image_data(margs: ImageArguments, seed: int):
     """{"train", "eval"} datasets and the image / label column names."""
-    import datasets
 
     if margs.dataset_name == DIGITS:
         from hf_dp_repr.data import load_digits_dataset
@@ -162,17 +153,13 @@ def load_image_data(margs: ImageArguments, seed: int):
         raw = load_digits_dataset()
     elif margs.dataset_name.endswith(".npz"):
         raw = _load_npz(margs.dataset_name)
-    elif os.path.isdir(margs.dataset_name) and os.path.exists(os.path.join(margs.dataset_name, "dataset_dict.json")):
-        raw = datasets.load_from_disk(margs.dataset_name)
     else:
-        raw = datasets.load_dataset(margs.dataset_name, margs.dataset_config_name)
-    for split in (margs.train_split, margs.eval_split):
-        if split not in raw:
-            raise ValueError(f"--dataset_name {margs.dataset_name} has no split {split!r} (it has {list(raw)}); "
-                             "set --train_split / --eval_split.")
-    train, evals = raw[margs.train_split], raw[margs.eval_split]
-    image_col = margs.image_column or _first(train.column_names, ("pixel_values", "image", "img"), "--image_column")
-    label_col = margs.label_column or _first(train.column_names, ("labels", "label", "fine_label"), "--label_column")
+        raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
+    train, evals = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
+    image_col = margs.image_column or ru.first_column(train.column_names, ("pixel_values", "image", "img"),
+                                                      "--image_column")
+    label_col = margs.label_column or ru.first_column(train.column_names, ("labels", "label", "fine_label"),
+                                                      "--label_column")
     if margs.max_train_samples_per_class:
         train = _per_class(train, label_col, margs.max_train_samples_per_class, seed)
     if margs.max_eval_samples:
@@ -198,27 +185,11 @@ def _load_npz(path: str):
                                 test=split(arrays["x_test"], arrays["y_test"]))
 
 
-def _first(columns, candidates, flag):
-    for c in candidates:
-        if c in columns:
-            return c
-    raise ValueError(f"none of the columns {columns} is one of {candidates}; name it with {flag}.")
-
-
 def _per_class(ds, label_col, k, seed):
     labels = np.asarray(ds[label_col])
     rng = np.random.default_rng(seed)
     keep = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:k] for c in np.unique(labels)])
     return ds.select(np.sort(keep))
-
-
-def _labels(train, label_col):
-    feature = train.features.get(label_col)
-    names = getattr(feature, "names", None)
-    if names:
-        return len(names), dict(enumerate(names))
-    n = int(max(train[label_col])) + 1
-    return n, {i: str(i) for i in range(n)}
 
 
 def _with_pixel_values(data, model_name, model, image_col, label_col, image_size=None):

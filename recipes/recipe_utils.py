@@ -99,6 +99,54 @@ def load_metric(name: str = "accuracy"):
         return evaluate.load(str(local))
 
 
+# ---- data -------------------------------------------------------------------------------------------------------
+def load_hub_or_disk(dataset_name: str, config_name: str | None = None):
+    """A `DatasetDict` from a `DatasetDict.save_to_disk` folder, else through `datasets.load_dataset`."""
+    import datasets
+
+    if os.path.isdir(dataset_name) and os.path.exists(os.path.join(dataset_name, "dataset_dict.json")):
+        return datasets.load_from_disk(dataset_name)
+    return datasets.load_dataset(dataset_name, config_name)
+
+
+def pick_splits(raw, dataset_name: str, train_split: str, eval_split: str):
+    """(train, eval) splits of `raw`, or an error that names the splits there are and the flags to set."""
+    for split in (train_split, eval_split):
+        if split not in raw:
+            raise ValueError(f"--dataset_name {dataset_name} has no split {split!r} (it has {list(raw)}); "
+                             "set --train_split / --eval_split.")
+    return raw[train_split], raw[eval_split]
+
+
+def first_column(columns, candidates, flag: str) -> str:
+    """The first of `candidates` among `columns`, or an error naming `flag`."""
+    for c in candidates:
+        if c in columns:
+            return c
+    raise ValueError(f"none of the columns {columns} is one of {candidates}; name it with {flag}.")
+
+
+def class_names(train, label_col: str) -> tuple[int, dict[int, str]]:
+    """(number of classes, id2label) from a ClassLabel feature, else from the largest label."""
+    names = getattr(train.features.get(label_col), "names", None)
+    if names:
+        return len(names), dict(enumerate(names))
+    n = int(max(train[label_col])) + 1
+    return n, {i: str(i) for i in range(n)}
+
+
+def accuracy_metrics():
+    """`compute_metrics` for a classifier's Trainer: accuracy through `evaluate` (offline-safe)."""
+    import numpy as np
+
+    accuracy = load_metric("accuracy")
+
+    def compute_metrics(pred):
+        return accuracy.compute(predictions=np.argmax(pred.predictions, axis=-1), references=pred.label_ids)
+
+    return compute_metrics
+
+
 # ---- public → private --------------------------------------------------------------------------------------
 def split_public_private(train, public_fraction: float, seed: int):
     """Disjoint (public, private) parts of `train`; `public_fraction` of the examples are public."""
@@ -162,6 +210,19 @@ def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_m
 
         push_dp_model(trainer)
     return metrics
+
+
+def start_run(dataclass_types, argv: list[str] | None = None):
+    """What every recipe does first: parse the arguments, set up logging, seed (so a newly initialised head is the
+    same in every process and every run), and take `push_to_hub` over so the run is pushed once at the end, by
+    `hf_dp_repr.hub` (DP card, allow-listed files). Returns (model/data args, training args, push)."""
+    from transformers import set_seed
+
+    margs, targs = parse_args(dataclass_types, argv)
+    setup_logging(targs)
+    set_seed(targs.seed)
+    push, targs.push_to_hub = targs.push_to_hub, False
+    return margs, targs, push
 
 
 def setup_logging(training_args) -> None:

