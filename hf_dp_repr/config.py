@@ -105,6 +105,14 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "Must stay 0 under DP: per-example clipping is --per_sample_max_grad_norm."},
     )
 
+    # DP training computes its own per-example losses, so this only changes evaluation, where (transformers 5.x)
+    # it multiplies a classifier's eval loss by the number of processes (transformers issue 35078).
+    average_tokens_across_devices: bool = field(
+        default=False,
+        metadata={"help": "Off by default under DP: DP-SGD sums per-example losses over the logical batch itself, and "
+                  "with several processes this Trainer option would multiply a classifier's eval loss by their number."},
+    )
+
     def __post_init__(self):
         _validate_dp_fields(self)
         super().__post_init__()

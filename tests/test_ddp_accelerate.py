@@ -99,3 +99,21 @@ def test_without_noise_two_processes_make_the_single_process_update(tmp_path):
     assert moved > 0
     for k in a:
         torch.testing.assert_close(b[k] - before[k], a[k] - before[k], rtol=1e-3, atol=1e-7, msg=k)
+
+
+def test_two_processes_report_the_single_process_eval_loss(tmp_path):
+    """A BERT classifier (the text recipe, real MiniLM) evaluated in 1 and 2 processes, with nothing learnt
+    (lr = 0): the same eval loss. transformers' `average_tokens_across_devices` would double it with 2 processes,
+    so DPTrainingArguments turns it off."""
+    recipe = ROOT / "recipes" / "dp_text_classification.py"
+    args = ["--noise_multiplier", "0", "--learning_rate", "0", "--max_steps", "1", "--trainable_blocks", "0",
+            "--max_train_samples", "64", "--max_eval_samples", "32", "--max_length", "32",
+            "--per_device_eval_batch_size", "8", "--save_strategy", "no", "--report_to", "none",
+            "--disable_tqdm", "true"]
+    _run([sys.executable, str(recipe), "--output_dir", str(tmp_path / "one"), *args])
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
+          "--main_process_port", str(_free_port()), str(recipe), "--output_dir", str(tmp_path / "two"), *args])
+    one, two = (json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("one", "two"))
+    assert 2.0 < one["eval_loss"] < 4.0  # a fresh 18-class head: about ln 18 = 2.89
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-4)
+    assert two["eval_accuracy"] == one["eval_accuracy"]
