@@ -26,9 +26,9 @@ ACCEL_CONFIG = ROOT / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"
 SIGMA, LR, GLOBAL_BATCH = 1000.0, 1e-3, 32
 
 
-def _args(out: Path, per_device: int, sigma: float = SIGMA) -> list[str]:
+def _args(out: Path, per_device: int, sigma: float = SIGMA, steps: int = 1) -> list[str]:
     return [str(RECIPE), "--output_dir", str(out), "--public_fraction", "0", "--noise_multiplier", str(sigma),
-            "--per_device_train_batch_size", str(per_device), "--max_steps", "1", "--optim", "sgd",
+            "--per_device_train_batch_size", str(per_device), "--max_steps", str(steps), "--optim", "sgd",
             "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--weight_decay", "0",
             "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
             "--max_eval_samples", "64", "--seed", "0"]
@@ -57,10 +57,10 @@ def _update_std(out: Path) -> float:
     return float(torch.cat(deltas).std() / LR)
 
 
-def _one_and_two_processes(base: Path, sigma: float) -> tuple[Path, Path]:
-    _run([sys.executable, *_args(base / "one", GLOBAL_BATCH, sigma)])
+def _one_and_two_processes(base: Path, sigma: float, steps: int = 1, extra: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    _run([sys.executable, *_args(base / "one", GLOBAL_BATCH, sigma, steps), *extra])
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-          "--main_process_port", str(_free_port()), *_args(base / "two", GLOBAL_BATCH // 2, sigma)])
+          "--main_process_port", str(_free_port()), *_args(base / "two", GLOBAL_BATCH // 2, sigma, steps), *extra])
     return base / "one", base / "two"
 
 
@@ -97,6 +97,21 @@ def test_without_noise_two_processes_make_the_single_process_update(tmp_path):
     a, b = (ViTForImageClassification.from_pretrained(d).state_dict() for d in (one, two))
     moved = sum(float((a[k] - before[k]).abs().sum()) for k in a)
     assert moved > 0
+    for k in a:
+        torch.testing.assert_close(b[k] - before[k], a[k] - before[k], rtol=1e-3, atol=1e-7, msg=k)
+
+
+def test_linear_probe_then_fine_tune_in_two_processes_matches_one(tmp_path):
+    """LP→FT across the phase switch (step 1: head only; step 2: everything), σ = 0: both ranks switch scope at
+    the same step, so 2 processes end with the 1-process weights; the embeddings moved only in phase 2."""
+    one, two = _one_and_two_processes(tmp_path, 0.0, steps=2, extra=("--lp_steps", "1"))
+    for d in (one, two):
+        phases = json.loads((d / "privacy_ledger.json").read_text())["phases"]
+        assert [(p["name"], p["steps"]) for p in phases] == [("linear_probe", 1), ("fine_tune", 1)]
+    before = tiny_vit(num_labels=10, seed=0, num_channels=1, image_size=8).state_dict()
+    a, b = (ViTForImageClassification.from_pretrained(d).state_dict() for d in (one, two))
+    assert not torch.equal(a["vit.embeddings.patch_embeddings.projection.weight"],
+                           before["vit.embeddings.patch_embeddings.projection.weight"])
     for k in a:
         torch.testing.assert_close(b[k] - before[k], a[k] - before[k], rtol=1e-3, atol=1e-7, msg=k)
 
