@@ -109,8 +109,9 @@ class DPTrainingArguments(TrainingArguments):
     # it multiplies a classifier's eval loss by the number of processes (transformers issue 35078).
     average_tokens_across_devices: bool = field(
         default=False,
-        metadata={"help": "Off by default under DP: DP-SGD sums per-example losses over the logical batch itself, and "
-                  "with several processes this Trainer option would multiply a classifier's eval loss by their number."},
+        metadata={"help": "Off by default under DP: DP-SGD sums per-example losses over the logical batch itself, "
+                  "and with several processes this Trainer option would multiply a classifier's eval loss by their "
+                  "number."},
     )
 
     def __post_init__(self):
