@@ -97,5 +97,35 @@ def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoad
     return CachedHeadInputs(torch.cat(features), torch.cat(labels))
 
 
+def prepare_cached_head(model: torch.nn.Module, scopes: list, args, train_dataset, dataset_and_collator
+                        ) -> tuple[str | None, CachedHeadInputs | None, str | None]:
+    """(head module name, its cached inputs, None) when this run is a linear probe that may train on cached
+    inputs (`args.cache_features`: None = when safe, True = always, False = never); else (None, None, why not),
+    where "why not" is None when no linear probe was asked for. `dataset_and_collator()` gives the training data
+    as the Trainer would feed it."""
+    head_only = len(scopes) == 1 and scopes[0].head_only
+    if args.cache_features is False or not head_only or train_dataset is None:
+        if args.cache_features and not head_only:
+            raise ValueError("DPTrainer: cache_features=True needs a linear probe (trainable_blocks=0, no lp_steps).")
+        return None, None, None
+    forced = bool(args.cache_features)
+    head_names = scopes[0].head_modules
+    reason = structural_reason_not_to_cache(model, head_names)
+    if reason is None and not forced:
+        reason = data_reason_not_to_cache(train_dataset)
+    if reason is None:
+        dataset, collator = dataset_and_collator()
+        loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
+        try:
+            inputs = compute_head_inputs(model, head_names[0], loader, args.device, allow_random_backbone=forced,
+                                         show_progress=not args.disable_tqdm)
+            return head_names[0], inputs, None
+        except NotCacheable as e:
+            reason = str(e)
+    if forced:
+        raise ValueError(f"DPTrainer: cache_features=True, but {reason}.")
+    return None, None, reason
+
+
 class NotCacheable(RuntimeError):
     """The head cannot be trained on cached inputs without changing the updates."""

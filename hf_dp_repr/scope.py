@@ -124,6 +124,27 @@ def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | Non
     return Scope(_unique(params), " + ".join(parts), head_modules=[n for n, _ in head])
 
 
+def phase_scopes(model: nn.Module, trainable_blocks: int | None, lp_steps: float,
+                 block_stack: str | None = None) -> list[Scope]:
+    """The scope of each phase of a run: [] (train what requires grad), [scope], or [head, scope] when a
+    linear-probing phase (`lp_steps`) comes first."""
+    if trainable_blocks is None and not lp_steps:
+        return []
+    if trainable_blocks is None:
+        last = Scope([p for p in model.parameters() if p.requires_grad], "all parameters")
+    else:
+        last = select_scope(model, trainable_blocks, block_stack)
+    return [select_scope(model, 0), last] if lp_steps else [last]
+
+
+def block_stack_name(model: nn.Module, block_stack: str | None = None) -> str | None:
+    """The block stack's path, or None when the model has none."""
+    try:
+        return find_block_stack(model, block_stack)[0]
+    except ValueError:
+        return None
+
+
 def describe_trainable(model: nn.Module, parameters, noise_multiplier: float, max_grad_norm: float, batch_size: int,
                        block_stack_name: str | None = None) -> str:
     """A table of what trains (module, parameters) and the noise each parameter receives per step."""

@@ -5,7 +5,7 @@ What changes against the plain Trainer, and nothing else:
 - gradients: Opacus per-sample gradient hooks on the unwrapped HF model (so what is saved is a plain HF
   model), each example's gradient clipped after its micro-batch, Gaussian noise once per logical step;
 - loss: the sum of per-example losses (`privacy.loss`), overridable through `per_example_loss`;
-- accounting: σ calibrated for the whole planned run, a `PrivacyLedger` stepped at every update, `epsilon`
+- accounting: σ calibrated for the whole planned run (`plan`), a `PrivacyLedger` stepped at every update, `epsilon`
   in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`.
 
 Example (runs in seconds on a CPU):
@@ -25,43 +25,30 @@ Example (runs in seconds on a CPU):
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
-import warnings
 
 import datasets
 import torch
 from opacus.grad_sample import GradSampleHooks
-from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback, default_data_collator
-from transformers.loss.loss_utils import ForCausalLMLoss
+from torch.utils.data import DataLoader
+from transformers import Trainer, default_data_collator
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import ModelOutput
 from transformers.utils import logging
 
-from .cached_head import NotCacheable, compute_head_inputs, data_reason_not_to_cache, structural_reason_not_to_cache
+from .cached_head import prepare_cached_head
 from .config import DPTrainingArguments
-from .privacy import grad_samplers  # noqa: F401  (registers HF grad samplers into Opacus)
-from .privacy.accounting import (
-    LEDGER_FILE,
-    Phase,
-    PrivacyLedger,
-    calibrate_last_phase,
-    calibrate_noise_multiplier,
-)
-from .privacy.loss import per_example_loss
+from .plan import plan_run, resume_ledger
+from .privacy.accounting import LEDGER_FILE, PrivacyLedger
+from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
+from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import make_dp_optimizer
-from .privacy.sampler import PoissonBatchSampler, ShuffledBatchSampler
-from .privacy.validation import check_model_is_privatizable
-from .scope import Scope, describe_trainable, find_block_stack, select_scope
+from .privacy.sampler import EmptyAwareCollator, PoissonBatchSampler, SamplerEpochCallback, ShuffledBatchSampler
+from .privacy.validation import check_model_is_privatizable, check_train_dataset
+from .scope import block_stack_name, describe_trainable, phase_scopes
 
 logger = logging.get_logger(__name__)
-
-# Ledger fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
-_RESUME_INVARIANTS = ("accountant", "target_delta", "phases", "per_sample_max_grad_norm", "clipping", "dataset_size",
-                      "world_size")
-
 
 class DPTrainer(Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
@@ -80,7 +67,7 @@ class DPTrainer(Trainer):
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
         if train_dataset is not None:
-            _check_train_dataset(train_dataset, args)
+            check_train_dataset(train_dataset, args.target_delta)
         if peft_config is not None:
             if model is None:
                 raise ValueError("DPTrainer: peft_config needs a model to wrap.")
@@ -93,7 +80,8 @@ class DPTrainer(Trainer):
             check_peft_model(model)
         if model is not None:
             check_model_is_privatizable(model)
-        self._scopes = _phase_scopes(model, args) if model is not None else []
+        self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack)
+                        if model is not None else [])
         if self._scopes:
             self._scopes[-1].apply(model)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
@@ -107,8 +95,8 @@ class DPTrainer(Trainer):
         self._batch_sampler = None
         self._resume_ledger: PrivacyLedger | None = None
         self._epsilon_cache: tuple[int, float] | None = None
-        self._shifts_labels = _is_causal_lm(self.model)
-        self.add_callback(_SamplerEpochCallback(self))
+        self._shifts_labels = is_causal_lm(self.model)
+        self.add_callback(SamplerEpochCallback(lambda: self._batch_sampler))
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
             if hasattr(cb, "attach"):
                 cb.attach(self)
@@ -117,53 +105,8 @@ class DPTrainer(Trainer):
     def privacy_plan(self) -> PrivacyLedger:
         """The ledger this run will fill: its phases (sample rate, steps, σ calibrated if a target ε is set)."""
         if self._plan is None:
-            self._plan = self._make_plan()
+            self._plan = plan_run(self.args, len(self.train_dataset))
         return self._plan
-
-    def _make_plan(self) -> PrivacyLedger:
-        args = self.args
-        n = len(self.train_dataset)
-        batch = self._logical_batch(args.per_device_train_batch_size, n)
-        steps_per_epoch = max(1, n // batch)
-        planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-        eps, delta, acc = args.target_epsilon, args.target_delta, args.accountant
-        if not args.lp_steps:
-            sigma = args.noise_multiplier
-            if sigma is None:
-                sigma = calibrate_noise_multiplier(eps, delta, batch / n, planned, acc)
-            phases = [Phase("train", sigma, batch / n, planned, batch)]
-        else:
-            lp_steps = round(args.lp_steps * planned) if args.lp_steps < 1 else int(args.lp_steps)
-            if not 1 <= lp_steps < planned:
-                raise ValueError(f"DPTrainer: lp_steps={args.lp_steps} gives {lp_steps} linear-probing steps out of "
-                                 f"{planned} planned; it must leave at least one step to each phase.")
-            lp_batch = self._logical_batch(args.lp_per_device_train_batch_size or args.per_device_train_batch_size, n)
-            q1, q2, ft_steps = lp_batch / n, batch / n, planned - lp_steps
-            if args.noise_multiplier is not None:
-                sigma1 = sigma2 = args.noise_multiplier
-            elif args.lp_epsilon_fraction is None:
-                sigma1 = sigma2 = calibrate_last_phase(eps, delta, [(0.0, q1, lp_steps)], q2, ft_steps, acc,
-                                                       same_sigma=True)
-            else:
-                sigma1 = calibrate_noise_multiplier(args.lp_epsilon_fraction * eps, delta, q1, lp_steps, acc)
-                sigma2 = calibrate_last_phase(eps, delta, [(sigma1, q1, lp_steps)], q2, ft_steps, acc)
-            phases = [Phase("linear_probe", sigma1, q1, lp_steps, lp_batch), Phase("fine_tune", sigma2, q2, ft_steps,
-                                                                                    batch)]
-        return PrivacyLedger(
-            accountant=acc, target_delta=delta, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
-            clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
-            target_epsilon=eps, world_size=args.world_size,
-        )
-
-    def _logical_batch(self, per_device: int, n: int) -> int:
-        args = self.args
-        batch = per_device * args.gradient_accumulation_steps * args.world_size
-        if batch > n:
-            raise ValueError(
-                f"DPTrainer: the logical batch (per-device batch × gradient_accumulation_steps × processes = {batch}) "
-                f"exceeds the {n} training examples; lower the batch size."
-            )
-        return batch
 
     # ---- data: Poisson logical batches --------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -181,15 +124,12 @@ class DPTrainer(Trainer):
                       micro_batches_per_step=args.gradient_accumulation_steps, world_size=args.world_size,
                       rank=args.process_index, seed=args.data_seed if args.data_seed is not None else args.seed)
         if args.poisson_sampling:
-            rate = plan.phases[0].sample_rate
-            if len(plan.phases) > 1:
-                def rate(step, plan=plan):  # noqa: E306  (the sample rate of the phase the step belongs to)
-                    return plan.phases[plan.phase_index(step)].sample_rate
-            self._batch_sampler = PoissonBatchSampler(sample_rate=rate, secure=args.secure_mode, **common)
+            self._batch_sampler = PoissonBatchSampler(sample_rate=plan.sample_rate_at, secure=args.secure_mode,
+                                                      **common)
         else:
             self._batch_sampler = ShuffledBatchSampler(batch_size=batch, **common)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
-        return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=_EmptyAwareCollator(collator),
+        return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=EmptyAwareCollator(collator),
                           num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
 
     def _train_dataset_and_collator(self):
@@ -208,7 +148,9 @@ class DPTrainer(Trainer):
         if self._scopes:  # the optimizer and hooks cover every phase's scope; each phase then freezes the rest
             self._scopes[-1].apply(self.model)
         super().create_optimizer(model)
-        self.ledger = self._start_ledger()
+        plan = self.privacy_plan()
+        self.ledger = plan if self._resume_ledger is None else resume_ledger(plan, self._resume_ledger,
+                                                                             self.state.global_step)
         self._attach_hooks()
         self._dp_optimizer = make_dp_optimizer(
             self.optimizer, clipping=self.args.clipping, noise_multiplier=self.ledger.noise_multiplier,
@@ -274,21 +216,6 @@ class DPTrainer(Trainer):
         steps = [p.steps for p in self.privacy_plan().phases]
         return " then ".join(f"{s.description} for {t} steps" for s, t in zip(self._scopes, steps))
 
-    def _start_ledger(self) -> PrivacyLedger:
-        plan = self.privacy_plan()
-        if self._resume_ledger is None:
-            return plan
-        old = self._resume_ledger
-        changed = [f"{k}: checkpoint {getattr(old, k)!r} vs now {getattr(plan, k)!r}"
-                   for k in _RESUME_INVARIANTS if getattr(old, k) != getattr(plan, k)]
-        if changed:
-            raise ValueError("DPTrainer: cannot resume, the privacy plan changed since the checkpoint "
-                             "(resume with the same arguments and data):\n  " + "\n  ".join(changed))
-        if old.steps_done != self.state.global_step:
-            raise ValueError(f"DPTrainer: the checkpoint's ledger counts {old.steps_done} DP steps but its trainer "
-                             f"state {self.state.global_step}; the checkpoint is inconsistent.")
-        return old
-
     def _attach_hooks(self) -> None:
         if self._grad_sample_hooks is None:
             for name, p in self.model.named_parameters():
@@ -319,7 +246,7 @@ class DPTrainer(Trainer):
         lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, accountant={led.accountant}, clipping={led.clipping} "
                  f"C={led.per_sample_max_grad_norm}, {led.dataset_size} examples): ε at the end of the plan "
                  f"{led.planned_epsilon():.4f}"]
-        stack = _stack_name(self.model, self.args.block_stack)
+        stack = block_stack_name(self.model, self.args.block_stack)
         for i, phase in enumerate(led.phases):
             lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "
                          f"(expected batch {phase.expected_batch_size}), {phase.steps} steps; trains "
@@ -344,7 +271,7 @@ class DPTrainer(Trainer):
         if "labels" not in inputs:
             raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")
         labels = inputs.pop("labels")
-        _batch_position_ids(self.model, inputs)
+        batch_position_ids(self.model, inputs)
         # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
         # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
         with self.accelerator.no_sync(model):
@@ -362,7 +289,11 @@ class DPTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         self._resume_ledger = None
         self._plan = None
-        self._prepare_cached_head()
+        self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
+            self.model, self._scopes, self.args, self.train_dataset, self._train_dataset_and_collator)
+        if no_cache:
+            logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
+                           "backbone.")
         if resume_from_checkpoint:
             path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                     else resume_from_checkpoint)
@@ -436,33 +367,6 @@ class DPTrainer(Trainer):
                     shutil.copy(src, os.path.join(self.args.output_dir, name))
         super()._push_from_checkpoint(checkpoint_folder)
 
-    def _prepare_cached_head(self) -> None:
-        """Decide whether this linear probe runs on cached head inputs, and compute them once if so."""
-        args, scopes = self.args, self._scopes
-        self._cached_head = None
-        if args.cache_features is False or len(scopes) != 1 or not scopes[0].head_only or self.train_dataset is None:
-            if args.cache_features and not (len(scopes) == 1 and scopes[0].head_only):
-                raise ValueError("DPTrainer: cache_features=True needs a linear probe (trainable_blocks=0, no lp_steps).")
-            return
-        forced = bool(args.cache_features)
-        reason = structural_reason_not_to_cache(self.model, scopes[0].head_modules)
-        if reason is None and not forced:
-            reason = data_reason_not_to_cache(self.train_dataset)
-        if reason is None:
-            dataset, collator = self._train_dataset_and_collator()
-            loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
-            try:
-                self._cached_inputs = compute_head_inputs(self.model, scopes[0].head_modules[0], loader, args.device,
-                                                          allow_random_backbone=forced,
-                                                          show_progress=not args.disable_tqdm)
-                self._cached_head = scopes[0].head_modules[0]
-                return
-            except NotCacheable as e:
-                reason = str(e)
-        if forced:
-            raise ValueError(f"DPTrainer: cache_features=True, but {reason}.")
-        logger.warning(f"DPTrainer: linear probe without cached features ({reason}); each step runs the backbone.")
-
     def save_merged_model(self, output_dir: str | None = None) -> None:
         """For a LoRA (PEFT) model: save the base weights with the adapters merged in, as a plain HF model
         (`save_model` saves the adapters alone), plus the privacy ledger and model card."""
@@ -483,81 +387,3 @@ class DPTrainer(Trainer):
         from .model_card import write_model_card
 
         write_model_card(self, output_dir)
-
-
-class _SamplerEpochCallback(TrainerCallback):
-    """Tells the batch sampler which epoch starts, so batches depend only on (seed, epoch), also on resume."""
-
-    def __init__(self, trainer: DPTrainer):
-        self.trainer = trainer
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        if self.trainer._batch_sampler is not None:
-            self.trainer._batch_sampler.set_epoch(int(state.epoch or 0))
-
-
-class _EmptyAwareCollator:
-    """Collates as usual, but an empty Poisson micro-batch becomes {} instead of crashing the collator."""
-
-    def __init__(self, collator):
-        self.collator = collator
-
-    def __call__(self, features):
-        return self.collator(features) if features else {}
-
-
-def _phase_scopes(model, args: DPTrainingArguments) -> list[Scope]:
-    """The scope of each phase: [] (train what requires grad), [scope], or [head, scope] with lp_steps."""
-    if args.trainable_blocks is None and not args.lp_steps:
-        return []
-    if args.trainable_blocks is None:
-        last = Scope([p for p in model.parameters() if p.requires_grad], "all parameters")
-    else:
-        last = select_scope(model, args.trainable_blocks, args.block_stack)
-    return [select_scope(model, 0), last] if args.lp_steps else [last]
-
-
-def _stack_name(model, block_stack: str | None) -> str | None:
-    try:
-        return find_block_stack(model, block_stack)[0]
-    except ValueError:
-        return None
-
-
-def _batch_position_ids(model, inputs: dict) -> None:
-    """Give `position_ids` a real batch dimension. HF models build them with batch 1, which gives the position
-    embedding a per-sample gradient of batch 1 (Opacus then crashes on GPT-2 and BERT)."""
-    ids = inputs.get("input_ids")
-    if ids is None or "position_ids" in inputs or "position_ids" not in _forward_params(model):
-        return
-    inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-
-
-def _is_causal_lm(model) -> bool:
-    """Causal LMs predict token t+1 at position t, so their labels are shifted (HF's ForCausalLMLoss)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    is_decoder_only = not getattr(getattr(base, "config", None), "is_encoder_decoder", False)
-    return getattr(base, "loss_function", None) is ForCausalLMLoss and is_decoder_only
-
-
-def _forward_params(model) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(model.forward).parameters)
-
-
-def _check_train_dataset(dataset, args: DPTrainingArguments) -> None:
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError(
-            "DPTrainer: train_dataset must have a length (a map-style dataset): Poisson sampling and the privacy "
-            "accounting need n. Materialise the IterableDataset first (e.g. `Dataset.from_generator`)."
-        )
-    n = len(dataset)
-    if n == 0:
-        raise ValueError("DPTrainer: train_dataset is empty.")
-    if args.target_delta >= 1 / n:
-        warnings.warn(
-            f"DPTrainer: target_delta={args.target_delta:g} is >= 1/n for n={n} training examples; such a δ allows "
-            f"releasing a few examples outright. Use δ < 1/n, e.g. {1 / (10 * n):.1e}.",
-            stacklevel=3,
-        )

@@ -141,6 +141,10 @@ class PrivacyLedger:
                 return i
         return len(self.phases) - 1
 
+    def sample_rate_at(self, step: int) -> float:
+        """Sample rate of the phase that step `step` (0-based) belongs to."""
+        return self.phases[self.phase_index(step)].sample_rate
+
     @property
     def phase(self) -> Phase:
         """The phase of the next step (the last one once the plan is done)."""

@@ -8,6 +8,8 @@ output (`backprops`), both with the batch first, and returns {parameter: per-sam
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from opacus.grad_sample import register_grad_sampler
 from transformers.models.vit.modeling_vit import ViTEmbeddings
@@ -46,3 +48,12 @@ def vit_embeddings_grad_sample(layer: ViTEmbeddings, activations: list[torch.Ten
     if layer.position_embeddings.requires_grad:
         grads[layer.position_embeddings] = backprops[:, None]
     return grads
+
+
+def batch_position_ids(model, inputs: dict) -> None:
+    """Give `position_ids` a real batch dimension. HF models build them with batch 1, which gives the position
+    embedding a per-sample gradient of batch 1 (Opacus then crashes on GPT-2 and BERT)."""
+    ids = inputs.get("input_ids")
+    if ids is None or "position_ids" in inputs or "position_ids" not in inspect.signature(model.forward).parameters:
+        return
+    inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, shift_labels: bool = False) -> torch.Tensor:
@@ -29,3 +30,10 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, shift_labels: b
             return (logits.squeeze(-1).float() - labels.float()) ** 2
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").flatten(1).mean(1)
     return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+def is_causal_lm(model) -> bool:
+    """Causal LMs predict token t+1 at position t, so their labels are shifted (HF's ForCausalLMLoss)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    is_decoder_only = not getattr(getattr(base, "config", None), "is_encoder_decoder", False)
+    return getattr(base, "loss_function", None) is ForCausalLMLoss and is_decoder_only

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 from torch.utils.data import Sampler
+from transformers import TrainerCallback
 
 
 class _LogicalBatchSampler(Sampler[list[int]]):
@@ -106,3 +107,26 @@ class ShuffledBatchSampler(_LogicalBatchSampler):
         batch = self._order[self._cursor : self._cursor + self.batch_size]
         self._cursor += self.batch_size
         return batch
+
+
+class EmptyAwareCollator:
+    """Collates as usual, but an empty Poisson micro-batch becomes {} instead of crashing the collator."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        return self.collator(features) if features else {}
+
+
+class SamplerEpochCallback(TrainerCallback):
+    """Tells the batch sampler which epoch starts, so batches depend only on (seed, epoch), also on resume.
+    `sampler_of()` returns the trainer's current sampler (None before its dataloader exists)."""
+
+    def __init__(self, sampler_of: Callable[[], _LogicalBatchSampler | None]):
+        self.sampler_of = sampler_of
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = self.sampler_of()
+        if sampler is not None:
+            sampler.set_epoch(int(state.epoch or 0))

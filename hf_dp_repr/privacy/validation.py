@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 from opacus.grad_sample.grad_sample_module import GradSampleModule
 from opacus.validators import ModuleValidator
 from torch import nn
+from torch.utils.data import IterableDataset
 from transformers.models.vit.modeling_vit import ViTEmbeddings
 
 
@@ -40,4 +43,22 @@ def check_model_is_privatizable(model: nn.Module) -> None:
     if problems:
         raise NotPrivatizableError(
             "This model cannot be trained with DP-SGD as it is:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def check_train_dataset(dataset, target_delta: float) -> None:
+    """A training set DP-SGD can sample and account for: map-style, non-empty; warns when δ ≥ 1/n."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            "DPTrainer: train_dataset must have a length (a map-style dataset): Poisson sampling and the privacy "
+            "accounting need n. Materialise the IterableDataset first (e.g. `Dataset.from_generator`)."
+        )
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("DPTrainer: train_dataset is empty.")
+    if target_delta >= 1 / n:
+        warnings.warn(
+            f"DPTrainer: target_delta={target_delta:g} is >= 1/n for n={n} training examples; such a δ allows "
+            f"releasing a few examples outright. Use δ < 1/n, e.g. {1 / (10 * n):.1e}.",
+            stacklevel=3,
         )
