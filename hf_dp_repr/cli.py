@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 
-from .config import ACCOUNTANTS
-from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+from .privacy.accounting import ACCOUNTANTS, GDP_REFUSED, NEIGHBORING_RELATIONS, calibrate_noise_multiplier, compute_epsilon
 
 
 def _positive_float(text: str) -> float:
@@ -34,35 +32,51 @@ def _probability(text: str) -> float:
     return value
 
 
+def _sample_rate(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def _add_privacy_parser(subparsers) -> None:
     p = subparsers.add_parser("privacy", help="ε of a planned DP-SGD run, or the σ that reaches a target ε.",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sample-rate", type=_probability, required=True, help="Poisson sampling rate q = batch / n.")
+    p.add_argument("--sample-rate", type=_sample_rate, required=True, help="Poisson sampling rate q = batch / n.")
     p.add_argument("--steps", type=int, required=True, help="Number of DP-SGD steps.")
     p.add_argument("--delta", type=_probability, required=True, help="δ of the (ε, δ) guarantee.")
     noise = p.add_mutually_exclusive_group(required=True)
     noise.add_argument("--noise-multiplier", type=float, help="σ: noise std / clipping norm.")
     noise.add_argument("--target-epsilon", type=_positive_float, help="ε to reach: σ is calibrated.")
-    p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv", help="Opacus accountant (default prv).")
+    p.add_argument("--accountant", default="prv", help=f"one of {ACCOUNTANTS}: Opacus' prv (default) or rdp, or "
+                   "dp_accounting's pld ('gdp' is refused: it under-reports ε).")
+    p.add_argument("--neighboring", choices=NEIGHBORING_RELATIONS, default="add_remove",
+                   help="add_remove (default) or replace_one (needs --accountant pld).")
     p.set_defaults(func=run_privacy)
 
 
 def run_privacy(args: argparse.Namespace) -> int:
     if args.steps <= 0:
         raise SystemExit("hf-dp-repr privacy: --steps must be > 0")
-    result = {"sample_rate": args.sample_rate, "steps": args.steps, "delta": args.delta, "accountant": args.accountant}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus' notes on RDP orders / GDP go to stderr noise otherwise
-        if args.target_epsilon is not None:
-            sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, args.sample_rate, args.steps,
-                                               args.accountant)
-            result["target_epsilon"] = args.target_epsilon
-        else:
-            if args.noise_multiplier < 0:
-                raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0")
-            sigma = args.noise_multiplier
-        result["noise_multiplier"] = sigma
-        result["epsilon"] = compute_epsilon([(sigma, args.sample_rate, args.steps)], args.delta, args.accountant)
+    if args.accountant == "gdp":
+        raise SystemExit(f"hf-dp-repr privacy: {GDP_REFUSED}")
+    if args.accountant not in ACCOUNTANTS:
+        raise SystemExit(f"hf-dp-repr privacy: unknown --accountant {args.accountant!r}; use one of {ACCOUNTANTS}.")
+    if args.neighboring == "replace_one" and args.accountant != "pld":
+        raise SystemExit("hf-dp-repr privacy: --neighboring replace_one needs --accountant pld.")
+    result = {"sample_rate": args.sample_rate, "steps": args.steps, "delta": args.delta, "accountant": args.accountant,
+              "neighboring": args.neighboring}
+    if args.target_epsilon is not None:
+        sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, args.sample_rate, args.steps,
+                                           args.accountant, args.neighboring)
+        result["target_epsilon"] = args.target_epsilon
+    else:
+        if args.noise_multiplier < 0:
+            raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0")
+        sigma = args.noise_multiplier
+    result["noise_multiplier"] = sigma
+    result["epsilon"] = compute_epsilon([(sigma, args.sample_rate, args.steps)], args.delta, args.accountant,
+                                        args.neighboring)
     print(json.dumps(result, indent=2))
     return 0
 

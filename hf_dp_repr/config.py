@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-ACCOUNTANTS = ("prv", "rdp", "gdp")
-CLIPPING_MODES = ("flat", "per_layer", "automatic")
+from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
+from .privacy.optimizer import CLIPPING_MODES
 
 
 @dataclass
@@ -44,7 +44,21 @@ class DPTrainingArguments(TrainingArguments):
     )
     accountant: str = field(
         default="prv",
-        metadata={"help": "Privacy accountant (Opacus): 'prv' (tightest), 'rdp' or 'gdp'.", "choices": ACCOUNTANTS},
+        metadata={"help": "Privacy accountant: 'prv' (Opacus, default), 'rdp' (Opacus) or 'pld' (dp_accounting; "
+                  "needed for neighboring='replace_one'). 'gdp' is refused: it under-reports ε.",
+                  "choices": ACCOUNTANTS},
+    )
+    neighboring: str = field(
+        default="add_remove",
+        metadata={"help": "What ε protects: 'add_remove' (datasets differing by one example added or removed; n is "
+                  "treated as private) or 'replace_one' (one example replaced; use it if n is public, as in the "
+                  "ledger and model card; needs accountant='pld'; larger ε).", "choices": NEIGHBORING_RELATIONS},
+    )
+    noise_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of DP-SGD's noise and Poisson batches, for reproducible tests and experiments. NOT "
+                  "private: anyone who knows it can remove the noise. Default None: a fresh secret from OS entropy "
+                  "for every run, never stored (the Trainer's `seed` never reaches the noise or the sampling)."},
     )
     poisson_sampling: bool = field(
         default=True,
@@ -59,8 +73,9 @@ class DPTrainingArguments(TrainingArguments):
     )
     secure_mode: bool = field(
         default=False,
-        metadata={"help": "Sample batches from OS entropy and draw noise with Opacus' secure_mode (resists "
-                  "floating-point attacks). Slower; single process only."},
+        metadata={"help": "Sample batches directly from OS entropy and draw noise with Opacus' secure_mode (resists "
+                  "floating-point attacks). Slower; single process only. (Noise and batches always come from a "
+                  "secret OS-entropy seed, secure_mode or not.)"},
     )
     trainable_blocks: int | None = field(
         default=None,
@@ -117,6 +132,7 @@ class DPTrainingArguments(TrainingArguments):
     def __post_init__(self):
         _validate_dp_fields(self)
         super().__post_init__()
+        _validate_activation_checkpointing(self)  # after the Trainer resolves gradient_checkpointing* aliases
 
 
 def _validate_dp_fields(args: DPTrainingArguments) -> None:
@@ -145,8 +161,10 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise ValueError(
             f"DPTrainingArguments: per_sample_max_grad_norm must be > 0, got {args.per_sample_max_grad_norm}."
         )
-    if args.accountant not in ACCOUNTANTS:
-        raise ValueError(f"DPTrainingArguments: unknown accountant {args.accountant!r}; use one of {ACCOUNTANTS}.")
+    try:
+        check_accountant(args.accountant, args.neighboring)
+    except ValueError as err:
+        raise ValueError(f"DPTrainingArguments: {err}") from None
     if args.clipping not in CLIPPING_MODES:
         raise ValueError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of {CLIPPING_MODES}.")
     if args.max_grad_norm:
@@ -161,10 +179,31 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
     if args.hub_token:
         raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
+    if args.noise_seed is not None and args.secure_mode:
+        raise ValueError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
+                         "unguessable; drop one of them.")
+    if args.ignore_data_skip:
+        raise ValueError(
+            "DPTrainingArguments: ignore_data_skip=True would replay the epoch's batch draws on resume while the "
+            "accountant counts fresh ones (and mix up the phases' sample rates). Leave it False: the skipped "
+            "batches are index draws only."
+        )
     if args.auto_find_batch_size:
         raise ValueError(
             "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "
             "accounting. Set per_device_train_batch_size and gradient_accumulation_steps yourself."
+        )
+
+
+def _validate_activation_checkpointing(args: DPTrainingArguments) -> None:
+    """Non-reentrant checkpointing (torch's and transformers' default) recomputes blocks where Opacus' hooks
+    capture no activations ("no per-sample gradient"); the reentrant variant gives exact per-sample gradients."""
+    kwargs = args.activation_checkpointing_kwargs or {}
+    if args.activation_checkpointing and kwargs.get("use_reentrant") is not True:
+        raise ValueError(
+            "DPTrainingArguments: gradient_checkpointing needs gradient_checkpointing_kwargs={'use_reentrant': True} "
+            "under DP-SGD (the non-reentrant default hides activations from the per-sample gradient hooks). "
+            "Set it, or turn gradient_checkpointing off."
         )
 
 
@@ -196,5 +235,3 @@ def _validate_lp_fields(args: DPTrainingArguments) -> None:
     if args.lp_per_device_train_batch_size is not None and not args.poisson_sampling:
         raise ValueError("DPTrainingArguments: lp_per_device_train_batch_size needs poisson_sampling=True "
                          "(fixed-size shuffled batches cannot change size mid-run).")
-    if args.lp_steps and args.accountant == "gdp":
-        raise ValueError("DPTrainingArguments: the 'gdp' accountant cannot compose two phases; use 'prv' or 'rdp'.")

@@ -21,7 +21,7 @@ from .privacy.accounting import Phase, PrivacyLedger, calibrate_last_phase, cali
 
 # Ledger fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
 RESUME_INVARIANTS = ("accountant", "target_delta", "phases", "per_sample_max_grad_norm", "clipping", "dataset_size",
-                     "world_size")
+                     "world_size", "neighboring", "randomness")
 
 
 def logical_batch(args: DPTrainingArguments, per_device: int, n: int) -> int:
@@ -41,11 +41,11 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
     batch = logical_batch(args, args.per_device_train_batch_size, n)
     steps_per_epoch = max(1, n // batch)
     planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-    eps, delta, acc = args.target_epsilon, args.target_delta, args.accountant
+    eps, delta, acc, rel = args.target_epsilon, args.target_delta, args.accountant, args.neighboring
     if not args.lp_steps:
         sigma = args.noise_multiplier
         if sigma is None:
-            sigma = calibrate_noise_multiplier(eps, delta, batch / n, planned, acc)
+            sigma = calibrate_noise_multiplier(eps, delta, batch / n, planned, acc, rel)
         phases = [Phase("train", sigma, batch / n, planned, batch)]
     else:
         lp_steps = round(args.lp_steps * planned) if args.lp_steps < 1 else int(args.lp_steps)
@@ -58,16 +58,17 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
             sigma1 = sigma2 = args.noise_multiplier
         elif args.lp_epsilon_fraction is None:
             sigma1 = sigma2 = calibrate_last_phase(eps, delta, [(0.0, q1, lp_steps)], q2, ft_steps, acc,
-                                                   same_sigma=True)
+                                                   same_sigma=True, neighboring=rel)
         else:
-            sigma1 = calibrate_noise_multiplier(args.lp_epsilon_fraction * eps, delta, q1, lp_steps, acc)
-            sigma2 = calibrate_last_phase(eps, delta, [(sigma1, q1, lp_steps)], q2, ft_steps, acc)
+            sigma1 = calibrate_noise_multiplier(args.lp_epsilon_fraction * eps, delta, q1, lp_steps, acc, rel)
+            sigma2 = calibrate_last_phase(eps, delta, [(sigma1, q1, lp_steps)], q2, ft_steps, acc, neighboring=rel)
         phases = [Phase("linear_probe", sigma1, q1, lp_steps, lp_batch), Phase("fine_tune", sigma2, q2, ft_steps,
                                                                                 batch)]
     return PrivacyLedger(
         accountant=acc, target_delta=delta, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
         clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
-        target_epsilon=eps, world_size=args.world_size,
+        target_epsilon=eps, world_size=args.world_size, neighboring=rel,
+        randomness="os-entropy" if args.noise_seed is None else "seeded",
     )
 
 

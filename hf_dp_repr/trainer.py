@@ -43,8 +43,9 @@ from .plan import plan_run, resume_ledger
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
 from .privacy.loss import is_causal_lm, per_example_loss
-from .privacy.optimizer import make_dp_optimizer
-from .privacy.sampler import EmptyAwareCollator, PoissonBatchSampler, SamplerEpochCallback, ShuffledBatchSampler
+from .privacy.optimizer import MicroBatchDPOptimizer
+from .privacy.randomness import DPRandomness
+from .privacy.sampler import ExampleBatchCollator, PoissonBatchSampler, SamplerEpochCallback, ShuffledBatchSampler
 from .privacy.validation import check_model_is_privatizable, check_train_dataset
 from .scope import block_stack_name, describe_trainable, phase_scopes
 
@@ -95,6 +96,7 @@ class DPTrainer(Trainer):
         self._batch_sampler = None
         self._resume_ledger: PrivacyLedger | None = None
         self._epsilon_cache: tuple[int, float] | None = None
+        self._randomness: DPRandomness | None = None  # the run's secret; made fresh by every train()
         self._shifts_labels = is_causal_lm(self.model)
         self.add_callback(SamplerEpochCallback(lambda: self._batch_sampler))
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
@@ -122,14 +124,14 @@ class DPTrainer(Trainer):
         batch = plan.phases[-1].expected_batch_size
         common = dict(num_samples=n, steps_per_epoch=max(1, n // batch),
                       micro_batches_per_step=args.gradient_accumulation_steps, world_size=args.world_size,
-                      rank=args.process_index, seed=args.data_seed if args.data_seed is not None else args.seed)
+                      rank=args.process_index, seed=self._randomness.sampling_seed())
         if args.poisson_sampling:
             self._batch_sampler = PoissonBatchSampler(sample_rate=plan.sample_rate_at, secure=args.secure_mode,
                                                       **common)
         else:
             self._batch_sampler = ShuffledBatchSampler(batch_size=batch, **common)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
-        return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=EmptyAwareCollator(collator),
+        return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=ExampleBatchCollator(collator),
                           num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
 
     def _train_dataset_and_collator(self):
@@ -152,9 +154,10 @@ class DPTrainer(Trainer):
         self.ledger = plan if self._resume_ledger is None else resume_ledger(plan, self._resume_ledger,
                                                                              self.state.global_step)
         self._attach_hooks()
-        self._dp_optimizer = make_dp_optimizer(
+        self._dp_optimizer = MicroBatchDPOptimizer(
             self.optimizer, clipping=self.args.clipping, noise_multiplier=self.ledger.noise_multiplier,
             max_grad_norm=self.args.per_sample_max_grad_norm, expected_batch_size=self.ledger.expected_batch_size,
+            noise_generator=lambda device: self._randomness.noise_generator(self.ledger.steps_done, device),
             world_size=self.args.world_size, rank=self.args.process_index, secure_mode=self.args.secure_mode,
         )
         self._dp_optimizer.attach_step_hook(lambda _opt: self.ledger.record_step())
@@ -236,6 +239,10 @@ class DPTrainer(Trainer):
 
     def _announce_plan(self) -> None:
         led = self.ledger
+        if led.randomness == "seeded":
+            logger.warning(f"DPTrainer: noise_seed={self.args.noise_seed}. The noise and the batches are reproducible "
+                           "from this seed: the run is NOT private against anyone who knows it. Use it for tests and "
+                           "experiments only.")
         if led.noise_multiplier == 0:
             logger.warning("DPTrainer: noise_multiplier=0. This run is NOT differentially private (ε = ∞); "
                            "per-example clipping only, as a non-private reference.")
@@ -243,7 +250,8 @@ class DPTrainer(Trainer):
             logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
                            "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")
         target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
-        lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, accountant={led.accountant}, clipping={led.clipping} "
+        lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, {led.neighboring} neighbours, accountant="
+                 f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
                  f"C={led.per_sample_max_grad_norm}, {led.dataset_size} examples): ε at the end of the plan "
                  f"{led.planned_epsilon():.4f}"]
         stack = block_stack_name(self.model, self.args.block_stack)
@@ -285,10 +293,18 @@ class DPTrainer(Trainer):
         self._dp_optimizer.accumulate_micro_batch()
         return losses.detach().mean() / self.current_gradient_accumulation_steps
 
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # DP-SGD sums per-example losses itself; the Trainer's count would also crash on an empty micro-batch.
+        return None
+
     # ---- run, log, save -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         self._resume_ledger = None
         self._plan = None
+        self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
+        if self.train_dataset is not None:  # refuse packed rows before anything trains
+            dataset, collator = self._train_dataset_and_collator()
+            ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
         self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
             self.model, self._scopes, self.args, self.train_dataset, self._train_dataset_and_collator)
         if no_cache:
@@ -324,8 +340,9 @@ class DPTrainer(Trainer):
         return self._epsilon_cache[1]
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        # A copy: the caller's dict (e.g. the eval metrics a hyperparameter search scores) stays free of ε.
         # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it.
-        logs.pop("grad_norm", None)
+        logs = {k: v for k, v in logs.items() if k != "grad_norm"}
         if self.ledger is not None:
             logs["epsilon"] = self.epsilon()
             if len(self.ledger.phases) > 1:

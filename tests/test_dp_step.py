@@ -28,7 +28,7 @@ def run_one_step(model, dataset, tmp_path, **dp_kwargs):
     args = DPTrainingArguments(
         output_dir=str(tmp_path / "run"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
         max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-        report_to="none", save_strategy="no", disable_tqdm=True, seed=3, **dp_kwargs,
+        report_to="none", save_strategy="no", disable_tqdm=True, seed=3, noise_seed=3, **dp_kwargs,
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=dataset, callbacks=[capture])
     trainer.train()

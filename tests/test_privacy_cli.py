@@ -15,7 +15,7 @@ def run_cli(capsys, *argv):
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_epsilon_agrees_with_opacus(accountant, capsys):
     out = run_cli(capsys, "--sample-rate", "0.004", "--noise-multiplier", "1.1", "--steps", "2500",
                   "--delta", "1e-5", "--accountant", accountant)
@@ -45,3 +45,18 @@ def test_console_script_and_bad_input():
                           "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "--sample-rate" in bad.stderr
+
+
+def test_gdp_is_refused_and_replace_one_needs_pld(capsys):
+    with pytest.raises(SystemExit, match="'gdp' accountant is refused"):
+        main(["privacy", "--sample-rate", "0.05", "--noise-multiplier", "0.9", "--steps", "3", "--delta", "1e-5",
+              "--accountant", "gdp"])
+    with pytest.raises(SystemExit, match="needs --accountant pld"):
+        main(["privacy", "--sample-rate", "0.05", "--noise-multiplier", "0.9", "--steps", "3", "--delta", "1e-5",
+              "--neighboring", "replace_one"])
+    out = run_cli(capsys, "--sample-rate", "1.0", "--noise-multiplier", "4.0", "--steps", "10", "--delta", "1e-5",
+                  "--accountant", "pld", "--neighboring", "replace_one")
+    assert out["neighboring"] == "replace_one"
+    assert out["epsilon"] == pytest.approx(run_cli(capsys, "--sample-rate", "1.0", "--noise-multiplier", "2.0",
+                                                   "--steps", "10", "--delta", "1e-5", "--accountant", "pld")["epsilon"],
+                                           rel=1e-6)

@@ -11,19 +11,37 @@ logical batch, on rank 0 only, sums over processes and divides by the expected g
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
+from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _generate_noise
 
 AUTOMATIC_CLIPPING_GAMMA = 0.01  # stability constant γ of Bu et al. (2023), "Automatic clipping"
+CLIPPING_MODES = ("flat", "per_layer", "automatic")
 
 
-class _MicroBatchDP:
-    """Mixin over an Opacus DPOptimizer: clip per micro-batch, noise once per logical step."""
+class MicroBatchDPOptimizer(DPOptimizer):
+    """An Opacus DPOptimizer that clips per micro-batch and adds noise once per logical step.
 
-    def __init__(self, *args, world_size: int = 1, rank: int = 0, **kwargs):
-        super().__init__(*args, loss_reduction="mean", **kwargs)
+    clipping: "flat" (each example's whole gradient to norm C), "per_layer" (each parameter tensor to
+    C/sqrt(#tensors), total sensitivity C) or "automatic" (Bu et al.: g·C/(||g|| + γ), norm < C).
+    Norms, clip factors and the clipped sum are float32 whatever the parameters' dtype: in bf16 an example's
+    contribution reached 1.0003·C. `noise_generator(device)` returns the generator of the current step's noise
+    (`privacy.randomness`): never torch's global RNG, which the Trainer seeds from the public `seed`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, clipping: str, noise_multiplier: float,
+                 max_grad_norm: float, expected_batch_size: int,
+                 noise_generator: Callable[[torch.device], torch.Generator], secure_mode: bool = False,
+                 world_size: int = 1, rank: int = 0):
+        if clipping not in CLIPPING_MODES:
+            raise ValueError(f"unknown clipping {clipping!r}; use one of {CLIPPING_MODES}.")
+        super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                         expected_batch_size=expected_batch_size, loss_reduction="mean", secure_mode=secure_mode)
+        self.clipping = clipping
+        self.noise_generator = noise_generator
         self.world_size = world_size
         self.rank = rank
 
@@ -45,71 +63,40 @@ class _MicroBatchDP:
             p.grad_sample = None
             p.grad = None
 
-    def pre_step(self, closure=None) -> bool:
-        self.accumulate_micro_batch()
-        for p in self.params:
-            if p.summed_grad is None:  # the whole logical batch was empty: the update is pure noise
-                p.summed_grad = torch.zeros_like(p)
-        if self.rank == 0:
-            self.add_noise()
+    def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """Per-example, per-tensor clip factors (batch, tensors) from float32 norms of the same shape."""
+        if self.clipping == "per_layer":
+            per_tensor = self.max_grad_norm / math.sqrt(norms.shape[1])
+            return (per_tensor / (norms + 1e-6)).clamp(max=1.0)
+        total = norms.norm(2, dim=1, keepdim=True)
+        if self.clipping == "automatic":
+            factor = self.max_grad_norm / (total + AUTOMATIC_CLIPPING_GAMMA)
         else:
-            for p in self.params:
-                p.grad = p.summed_grad.view_as(p).clone()
-        if self.world_size > 1:
-            for p in self.params:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            factor = (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
+        return factor.expand_as(norms)
+
+    def clip_and_accumulate(self) -> None:
+        grads = [g.reshape(len(g), -1).float() for g in self.grad_samples]
+        factors = self.clip_factors(torch.stack([g.norm(2, dim=1) for g in grads], dim=1))
+        for j, (p, g) in enumerate(zip(self.params, grads)):
+            clipped = (factors[:, j] @ g).view(p.shape)
+            p.summed_grad = clipped if p.summed_grad is None else p.summed_grad + clipped
+
+    def pre_step(self, closure=None) -> bool:
+        """update = (Σ clipped + N(0, σ²C²) on rank 0, summed over ranks) / expected global batch."""
+        self.accumulate_micro_batch()
+        generator = None
+        if self.rank == 0 and self.noise_multiplier > 0:
+            generator = self.noise_generator(self.params[0].device)
         for p in self.params:
-            p.grad /= self.expected_batch_size
+            total = p.summed_grad if p.summed_grad is not None else torch.zeros(p.shape, device=p.device)
+            if generator is not None:
+                total = total + _generate_noise(std=self.noise_multiplier * self.max_grad_norm, reference=total,
+                                                generator=generator, secure_mode=self.secure_mode)
+            if self.world_size > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            p.grad = (total / self.expected_batch_size).to(p.dtype)
             p.summed_grad = None
         if self.step_hook:
             self.step_hook(self)
         return True
-
-
-class MicroBatchDPOptimizer(_MicroBatchDP, DPOptimizer):
-    """Flat clipping: each example's whole gradient is clipped to norm C."""
-
-
-class MicroBatchPerLayerDPOptimizer(_MicroBatchDP, DPPerLayerOptimizer):
-    """Per-layer clipping: each parameter tensor's per-example gradient is clipped separately."""
-
-
-class MicroBatchAutomaticDPOptimizer(_MicroBatchDP, DPOptimizer):
-    """Automatic clipping (Bu et al.): g_i · C / (||g_i|| + γ). Every example contributes norm < C, so the
-    sensitivity, and the noise calibration, are those of flat clipping at C."""
-
-    def clip_and_accumulate(self) -> None:
-        grad_samples = self.grad_samples
-        norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in grad_samples], dim=1).norm(2, dim=1)
-        factor = self.max_grad_norm / (norms + AUTOMATIC_CLIPPING_GAMMA)
-        for p, g in zip(self.params, grad_samples):
-            clipped = torch.einsum("i,i...", factor.to(g.dtype), g).to(p.dtype)
-            p.summed_grad = clipped if p.summed_grad is None else p.summed_grad + clipped
-
-
-def make_dp_optimizer(
-    optimizer: torch.optim.Optimizer,
-    *,
-    clipping: str,
-    noise_multiplier: float,
-    max_grad_norm: float,
-    expected_batch_size: int,
-    world_size: int = 1,
-    rank: int = 0,
-    secure_mode: bool = False,
-) -> _MicroBatchDP:
-    """Wrap `optimizer` for DP-SGD with the given clipping mode ("flat", "per_layer", "automatic")."""
-    common = dict(
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        secure_mode=secure_mode,
-        world_size=world_size,
-        rank=rank,
-    )
-    if clipping == "per_layer":
-        # Equal split of the budget C over the parameter tensors keeps the total sensitivity at C.
-        n_tensors = sum(len([p for p in g["params"] if p.requires_grad]) for g in optimizer.param_groups)
-        per_tensor = [max_grad_norm / math.sqrt(n_tensors)] * n_tensors
-        return MicroBatchPerLayerDPOptimizer(optimizer, max_grad_norm=per_tensor, **common)
-    cls = MicroBatchAutomaticDPOptimizer if clipping == "automatic" else MicroBatchDPOptimizer
-    return cls(optimizer, max_grad_norm=max_grad_norm, **common)

@@ -22,6 +22,8 @@ import numpy as np
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
+from .validation import check_one_row_per_example
+
 
 class _LogicalBatchSampler(Sampler[list[int]]):
     def __init__(
@@ -61,7 +63,8 @@ class _LogicalBatchSampler(Sampler[list[int]]):
 
 class PoissonBatchSampler(_LogicalBatchSampler):
     """Each example joins each logical batch independently with probability `sample_rate` (the setting of
-    the accountants' analysis); batch sizes vary and a micro-batch may be empty.
+    the accountants' analysis); batch sizes vary and a micro-batch may be empty. `seed` must be secret
+    (`privacy.randomness`): whoever knows the batches loses nothing to the subsampling.
 
     `sample_rate` may be a function of the global step (phases of a run with different batch sizes).
     `secure=True` draws from OS entropy instead of a seeded generator (single process only)."""
@@ -109,14 +112,19 @@ class ShuffledBatchSampler(_LogicalBatchSampler):
         return batch
 
 
-class EmptyAwareCollator:
-    """Collates as usual, but an empty Poisson micro-batch becomes {} instead of crashing the collator."""
+class ExampleBatchCollator:
+    """Collates as usual, but an empty Poisson micro-batch becomes {} instead of crashing the collator, and a
+    batch whose rows are not its examples (packing) is refused: DP-SGD clips, samples and accounts per row."""
 
     def __init__(self, collator):
         self.collator = collator
 
     def __call__(self, features):
-        return self.collator(features) if features else {}
+        if not features:
+            return {}
+        batch = self.collator(features)
+        check_one_row_per_example(batch, len(features))
+        return batch
 
 
 class SamplerEpochCallback(TrainerCallback):

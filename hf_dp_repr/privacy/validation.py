@@ -62,3 +62,26 @@ def check_train_dataset(dataset, target_delta: float) -> None:
             f"releasing a few examples outright. Use δ < 1/n, e.g. {1 / (10 * n):.1e}.",
             stacklevel=3,
         )
+
+
+def check_one_row_per_example(batch: dict, n_examples: int) -> None:
+    """Refuse a collated micro-batch of `n_examples` whose rows are not its examples: a tensor whose first
+    dimension is not the number of examples, or position ids that restart inside a row. Both are packing (e.g.
+    `DataCollatorWithFlattening`): examples sharing a row share one clipped gradient and see each other in
+    attention, so removing one example could change the update by more than C."""
+    fix = ("DP-SGD clips, samples and accounts per row: use one example per row with a padding collator "
+           "(e.g. DataCollatorWithPadding, DataCollatorForLanguageModeling); no packing under DP-SGD.")
+    for key, value in batch.items():
+        shape = getattr(value, "shape", None)
+        if shape is not None and (len(shape) == 0 or shape[0] != n_examples):
+            raise ValueError(f"DPTrainer: the collated batch's `{key}` has shape {tuple(shape)} for {n_examples} "
+                             f"examples; its first dimension must be the number of examples. {fix}")
+    positions = batch.get("position_ids")
+    if positions is not None and getattr(positions, "ndim", 0) == 2 and positions.shape[1] > 1:
+        restarts = positions[:, 1:] < positions[:, :-1]
+        mask = batch.get("attention_mask")
+        if mask is not None and getattr(mask, "shape", None) == positions.shape:
+            restarts = restarts & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)  # left padding is not a restart
+        if restarts.any():
+            raise ValueError(f"DPTrainer: `position_ids` restart inside a row: several examples are packed into one "
+                             f"row. {fix}")
