@@ -12,7 +12,7 @@ from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 def probe(dataset, tmp_path, model=None, **kw):
     kw = {"noise_multiplier": 0.0, "per_device_train_batch_size": 32, **kw}
     args = DPTrainingArguments(output_dir=str(tmp_path), trainable_blocks=0, max_steps=6, learning_rate=0.05,
-                               report_to="none", save_strategy="no", disable_tqdm=True, seed=0, **kw)
+                               report_to="none", save_strategy="no", disable_tqdm=True, seed=0, noise_seed=0, **kw)
     trainer = DPTrainer(model=model or tiny_vit(), args=args, train_dataset=dataset)
     trainer.train()
     return trainer

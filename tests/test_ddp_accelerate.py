@@ -4,8 +4,8 @@ With σ = 1000 the noise dominates the clipped gradient sum (at most B·C = 32 a
 σ·C·√P ≈ 3.7e5), so one SGD step's update Δ = −lr·(Σ clip(g_i) + N(0, σ²C²)) / B has a per-coordinate std of
 lr·σ·C/B. Noise added once per logical batch gives the same std with 1 or 2 processes; noise added on every
 process would give √2 times more with 2 (2 times if the ranks drew the same noise), and dividing by the
-per-process batch would give 2 times more. (Rank 0 draws the noise from the same seeded generator as the
-single process does, so the two updates are in fact nearly identical.)
+per-process batch would give 2 times more. (Both runs pass the same `noise_seed`, so rank 0 draws the noise the
+single process draws, and the two updates are in fact nearly identical.)
 """
 
 import json
@@ -20,6 +20,8 @@ from transformers import ViTForImageClassification
 
 from hf_dp_repr.tiny import tiny_vit
 
+pytestmark = pytest.mark.slow  # several processes under accelerate launch
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "dp_image_classification.py"
 ACCEL_CONFIG = ROOT / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"
@@ -31,7 +33,7 @@ def _args(out: Path, per_device: int, sigma: float = SIGMA, steps: int = 1) -> l
             "--per_device_train_batch_size", str(per_device), "--max_steps", str(steps), "--optim", "sgd",
             "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--weight_decay", "0",
             "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
-            "--max_eval_samples", "64", "--seed", "0"]
+            "--max_eval_samples", "64", "--seed", "0", "--noise_seed", "0"]
 
 
 def _run(cmd: list[str]) -> None:

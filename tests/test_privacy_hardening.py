@@ -125,3 +125,18 @@ def test_gradient_checkpointing(token_dataset, tmp_path):
     plain, checkpointed = updates
     err = sum(((plain[n] - checkpointed[n]) ** 2).sum() for n in plain) / sum((plain[n] ** 2).sum() for n in plain)
     assert err.sqrt().item() <= 1e-5
+
+
+def test_hyperparameter_search_objective_is_not_epsilon(digits, tmp_path):
+    # DPTrainer logs ε; it used to write it into the eval metrics too, and the Trainer's default objective (the sum
+    # of the metrics) then scored every trial by ε.
+    from transformers.trainer_utils import default_compute_objective
+
+    args = dp_args(tmp_path, per_device_train_batch_size=16, max_steps=1, logging_steps=1)
+    trainer = DPTrainer(model=tiny_vit(num_labels=10), args=args, train_dataset=digits["train"].select(range(64)),
+                        eval_dataset=digits["test"].select(range(32)))
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert not any(k.startswith("epsilon") for k in metrics)
+    assert default_compute_objective(metrics) == metrics["eval_loss"]
+    assert any("epsilon" in entry for entry in trainer.state.log_history)  # ε is still logged

@@ -40,7 +40,7 @@ def expected_prefixes(name, scope):
 def train(model, dataset, tmp_path, **kw):
     kw = {"noise_multiplier": 1.0, "max_steps": 4, **kw}
     args = DPTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, learning_rate=1e-2,
-                               report_to="none", save_strategy="no", disable_tqdm=True, seed=0, **kw)
+                               report_to="none", save_strategy="no", disable_tqdm=True, seed=0, noise_seed=0, **kw)
     trainer = DPTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
     return trainer
