@@ -47,6 +47,7 @@ from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import make_dp_optimizer
 from .privacy.sampler import EmptyAwareCollator, PoissonBatchSampler, SamplerEpochCallback, ShuffledBatchSampler
 from .privacy.validation import check_model_is_privatizable, check_train_dataset
+from .resume import finish_without_training, is_finished
 from .scope import block_stack_name, describe_trainable, phase_scopes
 
 logger = logging.get_logger(__name__)
@@ -290,11 +291,6 @@ class DPTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         self._resume_ledger = None
         self._plan = None
-        self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
-            self.model, self._scopes, self.args, self.train_dataset, self._train_dataset_and_collator)
-        if no_cache:
-            logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
-                           "backbone.")
         if resume_from_checkpoint:
             path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                     else resume_from_checkpoint)
@@ -307,6 +303,13 @@ class DPTrainer(Trainer):
                                  "privacy accounting. Resume only from checkpoints written by DPTrainer.") from None
             self._dp_optimizer = None
             self.optimizer = None
+            if is_finished(self._resume_ledger):
+                return finish_without_training(self, path, self._resume_ledger)
+        self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
+            self.model, self._scopes, self.args, self.train_dataset, self._train_dataset_and_collator)
+        if no_cache:
+            logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
+                           "backbone.")
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)

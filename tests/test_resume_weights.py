@@ -6,6 +6,8 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
 from conftest import make_token_classification_dataset, make_token_dataset
 from hf_dp_repr import DPTrainer, DPTrainingArguments
@@ -118,3 +120,27 @@ def test_a_checkpoint_missing_a_tensor_is_refused_by_name(digits, tmp_path):
     with pytest.raises(CheckpointMismatchError, match="classifier.bias") as e:
         _trainer("vit", tmp_path, data, []).train(resume_from_checkpoint=True)
     assert "extra.weight" in str(e.value) and str(weights.parent) in str(e.value)
+
+
+@pytest.mark.parametrize("end", ["mid_epoch", "epoch_boundary"])
+def test_resuming_a_finished_run_is_a_logged_no_op(end, digits, tmp_path):
+    data = digits["train"].select(range(48))  # 6 steps per epoch at batch 8
+    schedule = dict(max_steps=4, save_steps=2) if end == "mid_epoch" else dict(
+        max_steps=-1, num_train_epochs=1, save_steps=3)
+    snaps = Snapshots()
+    first = _trainer("vit", tmp_path, data, [snaps], **schedule)
+    first.train()
+    last = max(snaps.saved)
+    ledger_file = tmp_path / f"checkpoint-{last}" / "privacy_ledger.json"
+    ledger_text = ledger_file.read_text()
+
+    again = _trainer("vit", tmp_path, data, [], **schedule)
+    logger = logging.get_logger("hf_dp_repr")
+    with CaptureLogger(logger) as log:
+        out = again.train(resume_from_checkpoint=True)
+    assert log.out.count("nothing to resume") == 1 and f"checkpoint-{last}" in log.out
+    assert again.ledger.steps_done == first.ledger.steps_done == last
+    assert out.metrics["epsilon"] == again.epsilon() == first.epsilon()
+    assert again.state.global_step == last and ledger_file.read_text() == ledger_text
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == sorted(f"checkpoint-{s}" for s in snaps.saved)
+    _assert_same({n: t for n, t in again.model.state_dict().items()}, snaps.saved[last])
