@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 
-from .config import ACCOUNTANTS
+from .config import ACCOUNTANTS, target_epsilon_problem
 from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon
 
 
-def _positive_float(text: str) -> float:
+def _target_epsilon(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if problem := target_epsilon_problem(value):
+        raise argparse.ArgumentTypeError(problem.replace("noise_multiplier=0", "--noise-multiplier 0")
+                                         .replace("target_epsilon", "--target-epsilon"))
     return value
 
 
@@ -42,7 +44,7 @@ def _add_privacy_parser(subparsers) -> None:
     p.add_argument("--delta", type=_probability, required=True, help="δ of the (ε, δ) guarantee.")
     noise = p.add_mutually_exclusive_group(required=True)
     noise.add_argument("--noise-multiplier", type=float, help="σ: noise std / clipping norm.")
-    noise.add_argument("--target-epsilon", type=_positive_float, help="ε to reach: σ is calibrated.")
+    noise.add_argument("--target-epsilon", type=_target_epsilon, help="ε to reach: σ is calibrated.")
     p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv", help="Opacus accountant (default prv).")
     p.set_defaults(func=run_privacy)
 
@@ -58,8 +60,8 @@ def run_privacy(args: argparse.Namespace) -> int:
                                                args.accountant)
             result["target_epsilon"] = args.target_epsilon
         else:
-            if args.noise_multiplier < 0:
-                raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0")
+            if not (args.noise_multiplier >= 0 and math.isfinite(args.noise_multiplier)):
+                raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0 and finite")
             sigma = args.noise_multiplier
         result["noise_multiplier"] = sigma
         result["epsilon"] = compute_epsilon([(sigma, args.sample_rate, args.steps)], args.delta, args.accountant)
