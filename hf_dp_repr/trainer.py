@@ -262,7 +262,8 @@ class DPTrainer(Trainer):
     # ---- one micro-batch ----------------------------------------------------------------------------
     def per_example_loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         """Loss of each example of the micro-batch, shape (batch,). Override for custom objectives."""
-        return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels)
+        return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels,
+                                label_smoothing=self.args.label_smoothing_factor)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self._sync_phase()
