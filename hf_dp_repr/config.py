@@ -176,6 +176,12 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
     if args.hub_token:
         raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
+    if args.fp16:
+        raise ValueError(
+            "DPTrainingArguments: fp16=True is refused under DP: the Trainer's GradScaler multiplies the loss, hence "
+            "every per-example gradient, by its loss scale before clipping, so per_sample_max_grad_norm would clip the "
+            "scaled gradients (and on a CPU fp16 is ignored). Use bf16=True (no loss scaling) or full precision."
+        )
     if args.auto_find_batch_size:
         raise ValueError(
             "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "
