@@ -29,6 +29,13 @@ def _target_epsilon(text: str) -> float:
     return value
 
 
+def _sample_rate(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = full batch), got {text}")
+    return value
+
+
 def _probability(text: str) -> float:
     value = float(text)
     if not 0 < value < 1:
@@ -39,7 +46,8 @@ def _probability(text: str) -> float:
 def _add_privacy_parser(subparsers) -> None:
     p = subparsers.add_parser("privacy", help="ε of a planned DP-SGD run, or the σ that reaches a target ε.",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sample-rate", type=_probability, required=True, help="Poisson sampling rate q = batch / n.")
+    p.add_argument("--sample-rate", type=_sample_rate, required=True,
+                   help="Poisson sampling rate q = batch / n (1: full batch, no amplification).")
     p.add_argument("--steps", type=int, required=True, help="Number of DP-SGD steps.")
     p.add_argument("--delta", type=_probability, required=True, help="δ of the (ε, δ) guarantee.")
     noise = p.add_mutually_exclusive_group(required=True)

@@ -13,11 +13,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 
@@ -41,7 +43,8 @@ def compute_epsilon(history: History, delta: float, accountant: str = "prv") -> 
                          "use accountant='prv' or 'rdp' for multi-phase runs.")
     acc = create_accountant(mechanism=accountant)
     acc.history = [tuple(h) for h in steps]
-    return float(acc.get_epsilon(delta=delta))
+    with _full_batch(steps):
+        return float(acc.get_epsilon(delta=delta))
 
 
 def calibrate_noise_multiplier(
@@ -52,16 +55,17 @@ def calibrate_noise_multiplier(
         raise ValueError(f"calibrate_noise_multiplier: steps must be > 0, got {steps}.")
     if not 0 < sample_rate <= 1:
         raise ValueError(f"calibrate_noise_multiplier: sample_rate must be in (0, 1], got {sample_rate}.")
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=accountant,
-            epsilon_tolerance=RELATIVE_EPSILON_TOLERANCE * target_epsilon,
+    with _full_batch([(1.0, sample_rate, steps)]):
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=target_delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=accountant,
+                epsilon_tolerance=RELATIVE_EPSILON_TOLERANCE * target_epsilon,
+            )
         )
-    )
 
 
 def calibrate_last_phase(
@@ -216,6 +220,12 @@ class PrivacyLedger:
         d["phases"] = [Phase(**p) for p in d["phases"]]
         d["history"] = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
         return cls(**d)
+
+
+def _full_batch(history: History):
+    """q = 1 (every example in every batch: no amplification by sampling) is exact in Opacus' accountants, but
+    the PRV one evaluates log(1 - q) = -inf on a branch it then discards, with a RuntimeWarning: silence that."""
+    return np.errstate(divide="ignore") if any(q == 1 for _, q, _ in history) else contextlib.nullcontext()
 
 
 def _merge(history: History) -> History:
