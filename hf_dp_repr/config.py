@@ -160,6 +160,11 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise ValueError(
             f"DPTrainingArguments: per_sample_max_grad_norm must be > 0, got {args.per_sample_max_grad_norm}."
         )
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "lp_per_device_train_batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"DPTrainingArguments: {name}={value} must be >= 1: the logical batch (per-device "
+                             "batch × gradient_accumulation_steps × processes) sets the sampling rate q = batch / n.")
     if args.accountant not in ACCOUNTANTS:
         raise ValueError(f"DPTrainingArguments: unknown accountant {args.accountant!r}; use one of {ACCOUNTANTS}.")
     if args.clipping not in CLIPPING_MODES:
