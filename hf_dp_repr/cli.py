@@ -64,8 +64,11 @@ def run_privacy(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Opacus' notes on RDP orders / GDP go to stderr noise otherwise
         if args.target_epsilon is not None:
-            sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, args.sample_rate, args.steps,
-                                               args.accountant)
+            try:
+                sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, args.sample_rate, args.steps,
+                                                   args.accountant)
+            except ValueError as e:
+                raise SystemExit(f"hf-dp-repr privacy: {e}") from None
             result["target_epsilon"] = args.target_epsilon
         else:
             if not (args.noise_multiplier >= 0 and math.isfinite(args.noise_multiplier)):

@@ -55,17 +55,24 @@ def calibrate_noise_multiplier(
         raise ValueError(f"calibrate_noise_multiplier: steps must be > 0, got {steps}.")
     if not 0 < sample_rate <= 1:
         raise ValueError(f"calibrate_noise_multiplier: sample_rate must be in (0, 1], got {sample_rate}.")
-    with _full_batch([(1.0, sample_rate, steps)]):
-        return float(
-            get_noise_multiplier(
-                target_epsilon=target_epsilon,
-                target_delta=target_delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                accountant=accountant,
-                epsilon_tolerance=RELATIVE_EPSILON_TOLERANCE * target_epsilon,
+    try:
+        with _full_batch([(1.0, sample_rate, steps)]):
+            return float(
+                get_noise_multiplier(
+                    target_epsilon=target_epsilon,
+                    target_delta=target_delta,
+                    sample_rate=sample_rate,
+                    steps=steps,
+                    accountant=accountant,
+                    epsilon_tolerance=RELATIVE_EPSILON_TOLERANCE * target_epsilon,
+                )
             )
-        )
+    except ValueError as e:
+        if "too low" not in str(e):
+            raise
+        from .budget_floor import too_low_message
+
+        raise ValueError(too_low_message(target_epsilon, target_delta, sample_rate, steps, accountant)) from None
 
 
 def calibrate_last_phase(
@@ -87,7 +94,9 @@ def calibrate_last_phase(
     while (eps_high := eps(high)) > target_epsilon:
         low, high = high, 2 * high
         if high > 1e6:
-            raise ValueError("calibrate_last_phase: no σ reaches the target ε; the earlier phases use it up.")
+            raise ValueError(f"target_epsilon={target_epsilon:g} is out of reach: even σ = {high:g} spends ε = "
+                             f"{eps_high:.4g} (the '{accountant}' accountant's floor"
+                             f"{'' if same_sigma else ' with the earlier phases'}); set target_epsilon above it.")
     while eps_high < (1 - RELATIVE_EPSILON_TOLERANCE) * target_epsilon and high - low > 1e-9:
         mid = (low + high) / 2
         if (eps_mid := eps(mid)) > target_epsilon:
