@@ -222,13 +222,25 @@ class PrivacyLedger:
 
     @classmethod
     def load(cls, directory: str) -> "PrivacyLedger":
-        with open(os.path.join(directory, LEDGER_FILE)) as f:
-            d = json.load(f)
-        for derived in ("steps_done", "planned_steps", "epsilon", "epsilon_by_phase"):
-            d.pop(derived, None)
-        d["phases"] = [Phase(**p) for p in d["phases"]]
-        d["history"] = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
-        return cls(**d)
+        """The ledger saved in `directory`; FileNotFoundError if there is none, ValueError naming the file if it
+        cannot be read."""
+        path = os.path.join(directory, LEDGER_FILE)
+        with open(path) as f:
+            text = f.read()
+        try:
+            d = json.loads(text)
+            for derived in ("steps_done", "planned_steps", "epsilon", "epsilon_by_phase"):
+                d.pop(derived, None)
+            d["phases"] = [Phase(**p) for p in d["phases"]]
+            d["history"] = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
+            return cls(**d)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(
+                f"PrivacyLedger: {path} is corrupted ({type(e).__name__}: {e}); the privacy spent up to that "
+                "checkpoint cannot be read, so it cannot be resumed or reported. Resume from an earlier checkpoint "
+                "whose ledger is intact (resume_from_checkpoint='<output_dir>/checkpoint-N'), or start a new run; "
+                "never rewrite a ledger by hand."
+            ) from None
 
 
 def _full_batch(history: History):
