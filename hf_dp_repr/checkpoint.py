@@ -34,11 +34,19 @@ def load_checkpoint_weights(model: nn.Module, checkpoint: str) -> None:
     if is_peft_model(model):
         _load_adapter(model, checkpoint)
         return
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
-    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers import PreTrainedModel
 
     state_dict, source = _read_weights(checkpoint)
     originals = _tensor_slots(model)
+    if not isinstance(model, PreTrainedModel):  # a plain torch module: saved under its own state_dict keys
+        result = model.load_state_dict(state_dict, strict=False)
+        _raise_if_any({"missing from the checkpoint (left untouched)":
+                       sorted(_really_missing(model, set(result.missing_keys), originals)),
+                       "unexpected (not in the model)": sorted(result.unexpected_keys)}, source)
+        return
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
     previous = model.__dict__.get("_weight_conversions", _UNSET)
     config = LoadStateDictConfig(weight_mapping=_save_conversions(model))
     try:

@@ -11,7 +11,7 @@ from transformers.utils import logging
 
 from conftest import make_token_classification_dataset, make_token_dataset
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.checkpoint import CheckpointMismatchError
+from hf_dp_repr.checkpoint import CheckpointMismatchError, load_checkpoint_weights
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
 
 STOP = 2
@@ -144,3 +144,31 @@ def test_resuming_a_finished_run_is_a_logged_no_op(end, digits, tmp_path):
     assert again.state.global_step == last and ledger_file.read_text() == ledger_text
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == sorted(f"checkpoint-{s}" for s in snaps.saved)
     _assert_same({n: t for n, t in again.model.state_dict().items()}, snaps.saved[last])
+
+
+def test_loading_keeps_the_live_tensors_their_flags_and_ties(tmp_path):
+    """The optimizer, Opacus hooks and frozen scopes hold the live parameters: loading copies into them."""
+    for make in (tiny_vit, tiny_gpt2):
+        source = make(seed=1)
+        source.save_pretrained(str(tmp_path / make.__name__))
+        model = make(seed=0)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        frozen = next(iter(params))
+        params[frozen].requires_grad_(False)
+        load_checkpoint_weights(model, str(tmp_path / make.__name__))
+        after = dict(model.named_parameters(remove_duplicate=False))
+        assert all(after[n] is p for n, p in params.items()) and not after[frozen].requires_grad
+        _assert_same(model.state_dict(), source.state_dict())
+    assert model.lm_head.weight is model.transformer.wte.weight  # GPT-2's head is still its input embedding
+
+
+def test_a_plain_torch_module_checkpoint_is_loaded_strictly(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    saved = {k: v + 1 for k, v in model.state_dict().items()}
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    load_checkpoint_weights(model, str(tmp_path))
+    _assert_same(model.state_dict(), saved)
+    del saved["1.bias"]
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointMismatchError, match=r"1 tensor\(s\) missing from the checkpoint .*: 1.bias"):
+        load_checkpoint_weights(model, str(tmp_path))
