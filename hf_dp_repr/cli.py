@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
-from .privacy.accounting import ACCOUNTANTS, GDP_REFUSED, NEIGHBORING_RELATIONS, calibrate_noise_multiplier, compute_epsilon
+from .config import target_epsilon_problem
+from .privacy.accounting import (ACCOUNTANTS, GDP_REFUSED, NEIGHBORING_RELATIONS, calibrate_noise_multiplier,
+                                 compute_epsilon)
 
 
-def _positive_float(text: str) -> float:
+def _target_epsilon(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if problem := target_epsilon_problem(value):
+        raise argparse.ArgumentTypeError(problem.replace("noise_multiplier=0", "--noise-multiplier 0")
+                                         .replace("target_epsilon", "--target-epsilon"))
+    return value
+
+
+def _sample_rate(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = full batch), got {text}")
     return value
 
 
@@ -32,22 +43,16 @@ def _probability(text: str) -> float:
     return value
 
 
-def _sample_rate(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def _add_privacy_parser(subparsers) -> None:
     p = subparsers.add_parser("privacy", help="ε of a planned DP-SGD run, or the σ that reaches a target ε.",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sample-rate", type=_sample_rate, required=True, help="Poisson sampling rate q = batch / n.")
+    p.add_argument("--sample-rate", type=_sample_rate, required=True,
+                   help="Poisson sampling rate q = batch / n (1: full batch, no amplification).")
     p.add_argument("--steps", type=int, required=True, help="Number of DP-SGD steps.")
     p.add_argument("--delta", type=_probability, required=True, help="δ of the (ε, δ) guarantee.")
     noise = p.add_mutually_exclusive_group(required=True)
     noise.add_argument("--noise-multiplier", type=float, help="σ: noise std / clipping norm.")
-    noise.add_argument("--target-epsilon", type=_positive_float, help="ε to reach: σ is calibrated.")
+    noise.add_argument("--target-epsilon", type=_target_epsilon, help="ε to reach: σ is calibrated.")
     p.add_argument("--accountant", default="prv", help=f"one of {ACCOUNTANTS}: Opacus' prv (default) or rdp, or "
                    "dp_accounting's pld ('gdp' is refused: it under-reports ε).")
     p.add_argument("--neighboring", choices=NEIGHBORING_RELATIONS, default="add_remove",
@@ -67,12 +72,15 @@ def run_privacy(args: argparse.Namespace) -> int:
     result = {"sample_rate": args.sample_rate, "steps": args.steps, "delta": args.delta, "accountant": args.accountant,
               "neighboring": args.neighboring}
     if args.target_epsilon is not None:
-        sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, args.sample_rate, args.steps,
-                                           args.accountant, args.neighboring)
+        try:
+            sigma = calibrate_noise_multiplier(args.target_epsilon, args.delta, args.sample_rate, args.steps,
+                                               args.accountant, args.neighboring)
+        except ValueError as e:
+            raise SystemExit(f"hf-dp-repr privacy: {e}") from None
         result["target_epsilon"] = args.target_epsilon
     else:
-        if args.noise_multiplier < 0:
-            raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0")
+        if not (args.noise_multiplier >= 0 and math.isfinite(args.noise_multiplier)):
+            raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0 and finite")
         sigma = args.noise_multiplier
     result["noise_multiplier"] = sigma
     result["epsilon"] = compute_epsilon([(sigma, args.sample_rate, args.steps)], args.delta, args.accountant,

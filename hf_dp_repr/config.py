@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -135,6 +136,20 @@ class DPTrainingArguments(TrainingArguments):
         _validate_activation_checkpointing(self)  # after the Trainer resolves gradient_checkpointing* aliases
 
 
+def target_epsilon_problem(eps: float) -> str | None:
+    """Why `eps` cannot be a target ε (None if it can): NaN, ∞ (no budget: Opacus' calibration would return
+    its upper bracket σ = 10, a chance-level model), or ≤ 0."""
+    if math.isnan(eps):
+        return "target_epsilon is NaN; give a finite ε > 0 (e.g. 8.0), or noise_multiplier=0 for a non-private run."
+    if eps == math.inf:
+        return ("target_epsilon=inf is no privacy budget: no σ is calibrated for it (Opacus would return an arbitrary "
+                "σ = 10 and a chance-level model). For a non-private reference set noise_multiplier=0 instead of "
+                "target_epsilon (clipping only, ε reported as ∞).")
+    if not eps > 0:
+        return f"target_epsilon must be > 0, got {eps}."
+    return None
+
+
 def _validate_dp_fields(args: DPTrainingArguments) -> None:
     """Check the DP fields; each error names the argument and what to do instead."""
     eps, sigma = args.target_epsilon, args.noise_multiplier
@@ -148,10 +163,10 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
             "DPTrainingArguments: neither target_epsilon nor noise_multiplier is set. Give target_epsilon "
             "(e.g. 8.0) for a private run; for an explicitly non-private reference set noise_multiplier=0."
         )
-    if eps is not None and not eps > 0:
-        raise ValueError(f"DPTrainingArguments: target_epsilon must be > 0, got {eps}.")
-    if sigma is not None and not sigma >= 0:
-        raise ValueError(f"DPTrainingArguments: noise_multiplier must be >= 0, got {sigma}.")
+    if eps is not None and (problem := target_epsilon_problem(eps)):
+        raise ValueError(f"DPTrainingArguments: {problem}")
+    if sigma is not None and not (sigma >= 0 and math.isfinite(sigma)):
+        raise ValueError(f"DPTrainingArguments: noise_multiplier must be >= 0 and finite, got {sigma}.")
     if not 0 < args.target_delta < 1:
         raise ValueError(
             f"DPTrainingArguments: target_delta must be in (0, 1), got {args.target_delta}; a common choice is "
@@ -161,6 +176,11 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise ValueError(
             f"DPTrainingArguments: per_sample_max_grad_norm must be > 0, got {args.per_sample_max_grad_norm}."
         )
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "lp_per_device_train_batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"DPTrainingArguments: {name}={value} must be >= 1: the logical batch (per-device "
+                             "batch × gradient_accumulation_steps × processes) sets the sampling rate q = batch / n.")
     try:
         check_accountant(args.accountant, args.neighboring)
     except ValueError as err:
@@ -187,6 +207,12 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
             "DPTrainingArguments: ignore_data_skip=True would replay the epoch's batch draws on resume while the "
             "accountant counts fresh ones (and mix up the phases' sample rates). Leave it False: the skipped "
             "batches are index draws only."
+        )
+    if args.fp16:
+        raise ValueError(
+            "DPTrainingArguments: fp16=True is refused under DP: the Trainer's GradScaler multiplies the loss, hence "
+            "every per-example gradient, by its loss scale before clipping, so per_sample_max_grad_norm would clip the "
+            "scaled gradients (and on a CPU fp16 is ignored). Use bf16=True (no loss scaling) or full precision."
         )
     if args.auto_find_batch_size:
         raise ValueError(

@@ -116,7 +116,8 @@ def apply_peft_config(model: nn.Module, peft_config) -> nn.Module:
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
             wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
-        if "not found in the base model" in str(e):
+        # PEFT >= 0.18 raises NoMatchingPeftModuleError (a ValueError), e.g. with modules_to_save set too.
+        if "not found in the base model" in str(e) or type(e).__name__ == "NoMatchingPeftModuleError":
             problem = "match no layer of"
         elif "is not supported" in str(e):
             problem = "include a layer type that LoRA cannot wrap in"

@@ -38,6 +38,7 @@ from transformers.utils import ModelOutput
 from transformers.utils import logging
 
 from .cached_head import prepare_cached_head
+from .checkpoint import load_checkpoint_weights
 from .config import DPTrainingArguments
 from .plan import plan_run, resume_ledger
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
@@ -47,6 +48,7 @@ from .privacy.optimizer import MicroBatchDPOptimizer
 from .privacy.randomness import DPRandomness
 from .privacy.sampler import ExampleBatchCollator, PoissonBatchSampler, SamplerEpochCallback, ShuffledBatchSampler
 from .privacy.validation import check_model_is_privatizable, check_train_dataset
+from .resume import finish_without_training, is_finished
 from .scope import block_stack_name, describe_trainable, phase_scopes
 
 logger = logging.get_logger(__name__)
@@ -268,7 +270,8 @@ class DPTrainer(Trainer):
     # ---- one micro-batch ----------------------------------------------------------------------------
     def per_example_loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         """Loss of each example of the micro-batch, shape (batch,). Override for custom objectives."""
-        return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels)
+        return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels,
+                                label_smoothing=self.args.label_smoothing_factor)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self._sync_phase()
@@ -305,11 +308,6 @@ class DPTrainer(Trainer):
         if self.train_dataset is not None:  # refuse packed rows before anything trains
             dataset, collator = self._train_dataset_and_collator()
             ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
-        self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
-            self.model, self._scopes, self.args, self.train_dataset, self._train_dataset_and_collator)
-        if no_cache:
-            logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
-                           "backbone.")
         if resume_from_checkpoint:
             path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                     else resume_from_checkpoint)
@@ -322,6 +320,13 @@ class DPTrainer(Trainer):
                                  "privacy accounting. Resume only from checkpoints written by DPTrainer.") from None
             self._dp_optimizer = None
             self.optimizer = None
+            if is_finished(self._resume_ledger):
+                return finish_without_training(self, path, self._resume_ledger)
+        self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
+            self.model, self._scopes, self.args, self.train_dataset, self._train_dataset_and_collator)
+        if no_cache:
+            logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
+                           "backbone.")
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -349,6 +354,18 @@ class DPTrainer(Trainer):
                 for name, eps in self.ledger.epsilon_by_phase().items():
                     logs[f"epsilon_{name}"] = eps
         super().log(logs, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # transformers' own loader misses renamed keys (ViT) with a mere warning: restore exactly, or refuse.
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_checkpoint_weights(self.model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return super()._load_best_model()
+        logger.info(f"Loading best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
+        load_checkpoint_weights(self.model, self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call=_internal_call)

@@ -19,11 +19,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from opacus.accountants import create_accountant
 
 LEDGER_FILE = "privacy_ledger.json"
@@ -36,6 +38,10 @@ GDP_REFUSED = ("the 'gdp' accountant is refused: its central-limit approximation
                "(default), 'rdp' or 'pld'.")
 
 History = list[tuple[float, float, int]]  # (noise_multiplier, sample_rate, steps), as Opacus stores it
+
+
+class OutOfReachError(ValueError):
+    """No σ makes the run spend as little as the target ε (below the accountant's floor)."""
 
 
 def check_accountant(accountant: str, neighboring: str = "add_remove") -> None:
@@ -64,7 +70,8 @@ def compute_epsilon(history: History, delta: float, accountant: str = "prv",
         return _pld_epsilon(steps, delta, neighboring)
     acc = create_accountant(mechanism=accountant)
     acc.history = [tuple(h) for h in steps]
-    return float(acc.get_epsilon(delta=delta))
+    with _full_batch(steps):
+        return float(acc.get_epsilon(delta=delta))
 
 
 def _pld_epsilon(history: History, delta: float, neighboring: str) -> float:
@@ -87,8 +94,14 @@ def calibrate_noise_multiplier(
         raise ValueError(f"calibrate_noise_multiplier: steps must be > 0, got {steps}.")
     if not 0 < sample_rate <= 1:
         raise ValueError(f"calibrate_noise_multiplier: sample_rate must be in (0, 1], got {sample_rate}.")
-    return calibrate_last_phase(target_epsilon, target_delta, [], sample_rate, steps, accountant,
-                                neighboring=neighboring)
+    try:
+        return calibrate_last_phase(target_epsilon, target_delta, [], sample_rate, steps, accountant,
+                                    neighboring=neighboring)
+    except OutOfReachError:
+        from .budget_floor import too_low_message
+
+        raise ValueError(too_low_message(target_epsilon, target_delta, sample_rate, steps, accountant,
+                                         neighboring)) from None
 
 
 def calibrate_last_phase(
@@ -114,7 +127,9 @@ def calibrate_last_phase(
     while (eps_high := eps(high)) > target_epsilon:
         low, high = high, 2 * high
         if high > 1e6:
-            raise ValueError("calibrate_last_phase: no σ reaches the target ε; the earlier phases use it up.")
+            raise OutOfReachError(f"target_epsilon={target_epsilon:g} is out of reach: even σ = {high:g} spends "
+                                  f"ε = {eps_high:.4g} (the '{accountant}' accountant's floor"
+                                  f"{'' if same_sigma else ' with the earlier phases'}); set target_epsilon above it.")
     while eps_high < (1 - RELATIVE_EPSILON_TOLERANCE) * target_epsilon and high - low > 1e-9:
         mid = (low + high) / 2
         if (eps_mid := eps(mid)) > target_epsilon:
@@ -244,13 +259,31 @@ class PrivacyLedger:
 
     @classmethod
     def load(cls, directory: str) -> "PrivacyLedger":
-        with open(os.path.join(directory, LEDGER_FILE)) as f:
-            d = json.load(f)
-        for derived in ("steps_done", "planned_steps", "epsilon", "epsilon_by_phase"):
-            d.pop(derived, None)
-        d["phases"] = [Phase(**p) for p in d["phases"]]
-        d["history"] = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
-        return cls(**d)
+        """The ledger saved in `directory`; FileNotFoundError if there is none, ValueError naming the file if it
+        cannot be read."""
+        path = os.path.join(directory, LEDGER_FILE)
+        with open(path) as f:
+            text = f.read()
+        try:
+            d = json.loads(text)
+            for derived in ("steps_done", "planned_steps", "epsilon", "epsilon_by_phase"):
+                d.pop(derived, None)
+            d["phases"] = [Phase(**p) for p in d["phases"]]
+            d["history"] = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
+            return cls(**d)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(
+                f"PrivacyLedger: {path} is corrupted ({type(e).__name__}: {e}); the privacy spent up to that "
+                "checkpoint cannot be read, so it cannot be resumed or reported. Resume from an earlier checkpoint "
+                "whose ledger is intact (resume_from_checkpoint='<output_dir>/checkpoint-N'), or start a new run; "
+                "never rewrite a ledger by hand."
+            ) from None
+
+
+def _full_batch(history: History):
+    """q = 1 (every example in every batch: no amplification by sampling) is exact in Opacus' accountants, but
+    the PRV one evaluates log(1 - q) = -inf on a branch it then discards, with a RuntimeWarning: silence that."""
+    return np.errstate(divide="ignore") if any(q == 1 for _, q, _ in history) else contextlib.nullcontext()
 
 
 def _merge(history: History) -> History:
