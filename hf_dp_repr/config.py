@@ -16,6 +16,9 @@ from transformers import TrainingArguments
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 CLIPPING_MODES = ("flat", "per_layer", "automatic")
+# Hub strategies that exist to push resumable checkpoints: trainer_state.json (the loss of every logged step, computed
+# on private data), optimizer and RNG state, training_args.bin. A checkpoint without them would not resume.
+RESUMABLE_HUB_STRATEGIES = ("checkpoint", "all_checkpoints")
 
 
 @dataclass
@@ -161,10 +164,24 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
     if args.hub_token:
         raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
+    check_hub_strategy(args)
     if args.auto_find_batch_size:
         raise ValueError(
             "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "
             "accounting. Set per_device_train_batch_size and gradient_accumulation_steps yourself."
+        )
+
+
+def check_hub_strategy(args: TrainingArguments) -> None:
+    """Refuse the hub strategies that push resumable checkpoints (also called by DPTrainer, after set_push_to_hub)."""
+    strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
+    if args.push_to_hub and strategy in RESUMABLE_HUB_STRATEGIES:
+        raise ValueError(
+            f"DPTrainingArguments: hub_strategy={strategy!r} pushes resumable checkpoints: trainer_state.json (the "
+            "loss of every logged step, computed on the private data), optimizer and RNG state and training_args.bin, "
+            "none of which the DP guarantee covers. Use hub_strategy='every_save' (weights, ledger and DP card at each "
+            "save) or 'end', keep checkpoints local for resuming, and push the finished run with trainer.push_to_hub() "
+            "or `hf-dp-repr push OUTPUT_DIR --hub_model_id me/name`."
         )
 
 

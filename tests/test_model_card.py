@@ -5,6 +5,7 @@ import math
 
 import pytest
 from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl, hf_api
+from huggingface_hub import constants as hf_constants
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import load_digits_dataset
@@ -192,16 +193,22 @@ def test_card_refreshed_from_the_folder_alone_keeps_what_the_caller_said(trained
 
 
 class _Capture:
-    """Stands in for the Hub: records create_repo and the operations of create_commit."""
+    """Stands in for the Hub: records whoami, create_repo and the operations of each create_commit (`commits`: the
+    sorted paths of each push), so the real upload_folder filtering runs and nothing reaches the network."""
 
-    def __init__(self, monkeypatch):
-        self.repos, self.files, self.validated = [], {}, []
+    def __init__(self, monkeypatch, user="someone", role="write"):
+        self.repos, self.files, self.validated, self.commits, self.whoami_calls = [], {}, [], [], 0
+
+        def whoami(api, token=None, **kw):
+            self.whoami_calls += 1
+            return {"type": "user", "name": user, "orgs": [], "auth": {"accessToken": {"role": role}}}
 
         def create_repo(api, repo_id, **kw):
             self.repos.append((repo_id, kw.get("private")))
             return RepoUrl(f"https://huggingface.co/{repo_id}")
 
         def create_commit(api, repo_id, operations, **kw):
+            self.commits.append(sorted(op.path_in_repo for op in operations))
             for op in operations:
                 src = op.path_or_fileobj
                 self.files[op.path_in_repo] = src.read_bytes() if hasattr(src, "read_bytes") else open(src, "rb").read()
@@ -215,6 +222,8 @@ class _Capture:
         # file to create_commit, which is where we listen.
         monkeypatch.setattr(hf_api, "is_xet_available", lambda: False, raising=False)
         monkeypatch.setattr(HfApi, "_validate_yaml", validate_yaml)
+        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # the calls below never reach the network
+        monkeypatch.setattr(HfApi, "whoami", whoami)
         monkeypatch.setattr(HfApi, "create_repo", create_repo)
         monkeypatch.setattr(HfApi, "create_commit", create_commit)
 
@@ -227,13 +236,16 @@ def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, monkeypat
     monkeypatch.setenv("HF_TOKEN", secret)
     hub = _Capture(monkeypatch)
     trainer.args.hub_model_id = "someone/dp-digits"
+    card_before = (out / "README.md").read_bytes()
+    with pytest.raises(ValueError, match="all_results.json holds train_loss, computed on the private data"):
+        push_dp_model(trainer)  # an all_results.json not written by DPTrainer.save_metrics
+    assert hub.repos == [] and hub.commits == [] and (out / "README.md").read_bytes() == card_before
+    (out / "all_results.json").write_text(json.dumps({"eval_accuracy": 0.9123, "eval_runtime": 1.5, "epsilon": 2.5}))
     push_dp_model(trainer)
     assert hub.repos == [("someone/dp-digits", trainer.args.hub_private_repo)]
     assert hub.validated and "differential-privacy" in hub.validated[0]
-    sent = set(hub.files)
-    assert {"model.safetensors", "config.json", "privacy_ledger.json", "README.md", "all_results.json",
-            "representation_law.json", "representation_law.png"} <= sent
-    assert not any(p.startswith("checkpoint-") or p == "training_args.bin" for p in sent), sent
+    assert hub.commits == [["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json",
+                            "representation_law.json", "representation_law.png"]]
     card = ModelCard(hub.files["README.md"].decode())
     assert "differential-privacy" in card.data.tags and "| eval_accuracy | 0.9123 |" in card.text
     assert json.loads(hub.files["privacy_ledger.json"])["steps_done"] == 3
