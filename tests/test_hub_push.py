@@ -4,6 +4,8 @@ checked before any work. The Hub is mocked (test_model_card._Capture): the real 
 
 import json
 import math
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from huggingface_hub import ModelCard
 from test_model_card import _Capture
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.cli import main as cli_main
 from hf_dp_repr.hub import HubAccessError, check_hub_access
 from hf_dp_repr.tiny import tiny_vit
 
@@ -151,6 +154,19 @@ def test_check_hub_access_needs_a_write_token_and_a_namespace_of_ours(monkeypatc
     assert check_hub_access("x") == "someone/x" and check_hub_access("someone/x") == "someone/x"
 
 
+def test_recipe_checks_the_hub_before_any_work(tmp_path, monkeypatch):
+    from huggingface_hub.errors import LocalTokenNotFoundError
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import dp_image_classification as image_recipe
+
+    _whoami_raises(monkeypatch, LocalTokenNotFoundError("no token"))
+    with pytest.raises(HubAccessError, match="hf auth login"):
+        image_recipe.main(["--output_dir", str(tmp_path / "run"), "--target_epsilon", "1", "--max_steps", "1",
+                           "--report_to", "none", "--push_to_hub", "true", "--hub_model_id", "someone/x"])
+    assert not (tmp_path / "run").exists()  # no public pre-training, nothing written
+
+
 def test_dp_trainer_with_push_to_hub_checks_access_at_construction(tmp_path, digits, monkeypatch):
     from huggingface_hub.errors import LocalTokenNotFoundError
 
@@ -159,3 +175,77 @@ def test_dp_trainer_with_push_to_hub_checks_access_at_construction(tmp_path, dig
                                hub_model_id="someone/x")
     with pytest.raises(HubAccessError, match="hf auth login"):
         DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
+
+
+# ---- hf-dp-repr push OUTPUT_DIR ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, digits):
+    out = tmp_path_factory.mktemp("finished")
+    args = DPTrainingArguments(output_dir=str(out), target_epsilon=3.0, target_delta=1e-4, max_steps=2,
+                               per_device_train_batch_size=32, report_to="none", save_strategy="no",
+                               disable_tqdm=True)
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
+    trainer.model_card_info = {"private_data": "digits train split", "model_name": "tiny_vit fine-tuned on digits"}
+    result = trainer.train()
+    trainer.save_metrics("all", {**result.metrics, "eval_accuracy": 0.5, "epsilon": trainer.epsilon()},
+                         combined=False)
+    trainer.save_model()
+    return out
+
+
+def _copy(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest)
+    _plant_decoys(dest)
+    return dest
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_cli_push_sends_the_allow_list_with_a_card_refreshed_from_the_ledger(finished_run, tmp_path, monkeypatch,
+                                                                             capsys):
+    folder = _copy(finished_run, tmp_path / "run")
+    ledger = json.loads((folder / "privacy_ledger.json").read_text())
+    eps = f"**{ledger['epsilon']:.4g}**"
+    stale = (folder / "README.md").read_text()
+    assert eps in stale
+    (folder / "README.md").write_text(stale.replace(eps, "**999**"))  # refreshed from the ledger below
+    (folder / "representation_law.png").write_bytes(b"png")
+    hub = _Capture(monkeypatch)
+    assert cli_main(["push", str(folder), "--hub_model_id", "someone/pushed-later", "--private"]) == 0
+    assert hub.whoami_calls == 1 and hub.repos == [("someone/pushed-later", True)]
+    assert hub.commits == [["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json",
+                            "representation_law.png"]]
+    card = ModelCard(hub.files["README.md"].decode())
+    assert eps in card.text and "**999**" not in card.text and "| eval_accuracy | 0.5 |" in card.text
+    assert card.text == ModelCard.load(folder / "README.md").text
+    assert card.text.lstrip().startswith("# tiny_vit fine-tuned on digits (DP-SGD, ε = ")
+    assert "differential-privacy" in card.data.tags and "digits train split" in card.text  # kept from the old card
+    assert "pushed README.md, all_results.json" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_ledger", r"has no privacy_ledger.json; a DP model is never pushed without the record of its guarantee"),
+    ("private_metric", r"all_results.json holds train_loss, computed on the private data"),
+    ("no_weights", r"holds no model weights"),
+    ("not_logged_in", r"not logged in to the Hugging Face Hub; log in with `hf auth login`"),
+])
+def test_cli_push_refuses_and_writes_nothing(case, message, finished_run, tmp_path, monkeypatch, capsys):
+    folder = _copy(finished_run, tmp_path / "run")
+    (folder / "README.md").unlink()  # a push that went through would write it
+    hub = _Capture(monkeypatch)
+    if case == "no_ledger":
+        (folder / "privacy_ledger.json").unlink()
+    elif case == "private_metric":
+        (folder / "all_results.json").write_text(json.dumps({"train_loss": 0.3, "eval_accuracy": 0.5}))
+    elif case == "no_weights":
+        (folder / "model.safetensors").unlink()
+    else:
+        from huggingface_hub.errors import LocalTokenNotFoundError
+
+        _whoami_raises(monkeypatch, LocalTokenNotFoundError("no token"))
+    before = _snapshot(folder)
+    with pytest.raises(SystemExit, match=message):
+        cli_main(["push", str(folder), "--hub_model_id", "someone/x"])
+    assert _snapshot(folder) == before and hub.repos == [] and hub.commits == []
