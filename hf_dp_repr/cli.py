@@ -5,8 +5,15 @@
 
     hf-dp-repr analyze --model out/ --dataset digits --out report/
 
+    hf-dp-repr push out/ --hub_model_id me/name [--private] [--revision BRANCH]
+
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
 `steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
+
+`push` uploads a finished run (a DPTrainer output_dir) through the same allow-list as every other push: weights,
+tokenizer / processor files, eval metrics, representation laws, `privacy_ledger.json` and the DP card, refreshed
+from the ledger first. It refuses a folder without a ledger; login and write access are checked before anything
+is written. The token comes from `hf auth login` or HF_TOKEN.
 """
 
 from __future__ import annotations
@@ -89,10 +96,34 @@ def run_privacy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_push_parser(subparsers) -> None:
+    p = subparsers.add_parser("push", help="Push a finished DP run (its allow-listed files and DP card) to the Hub.",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("output_dir", help="The run's folder (DPTrainer's output_dir, with privacy_ledger.json).")
+    p.add_argument("--hub_model_id", required=True, help="Repository to push to: me/name (or name).")
+    p.add_argument("--private", action="store_true", help="Create the repository as private (if it is new).")
+    p.add_argument("--revision", default=None, help="Branch to push to (default: main).")
+    p.add_argument("--commit_message", default="DP-SGD run (hf-dp-repr)")
+    p.set_defaults(func=run_push)
+
+
+def run_push(args: argparse.Namespace) -> int:
+    from .hub import HubAccessError, files_to_push, push_run_folder
+
+    try:
+        info = push_run_folder(args.output_dir, args.hub_model_id, private=args.private or None,
+                               revision=args.revision, commit_message=args.commit_message)
+    except (ValueError, HubAccessError) as err:
+        raise SystemExit(str(err)) from None
+    print(f"pushed {', '.join(files_to_push(args.output_dir))} to {getattr(info, 'commit_url', info)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_privacy_parser(subparsers)
+    _add_push_parser(subparsers)
     from .analysis.cli import add_analyze_parser
 
     add_analyze_parser(subparsers)

@@ -18,6 +18,10 @@ from transformers import TrainingArguments
 from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from .privacy.optimizer import CLIPPING_MODES
 
+# Hub strategies that exist to push resumable checkpoints: trainer_state.json (the loss of every logged step, computed
+# on private data), optimizer and RNG state, training_args.bin. A checkpoint without them would not resume.
+RESUMABLE_HUB_STRATEGIES = ("checkpoint", "all_checkpoints")
+
 
 @dataclass
 class DPTrainingArguments(TrainingArguments):
@@ -214,6 +218,7 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
             "every per-example gradient, by its loss scale before clipping, so per_sample_max_grad_norm would clip the "
             "scaled gradients (and on a CPU fp16 is ignored). Use bf16=True (no loss scaling) or full precision."
         )
+    check_hub_strategy(args)
     if args.auto_find_batch_size:
         raise ValueError(
             "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "
@@ -230,6 +235,19 @@ def _validate_activation_checkpointing(args: DPTrainingArguments) -> None:
             "DPTrainingArguments: gradient_checkpointing needs gradient_checkpointing_kwargs={'use_reentrant': True} "
             "under DP-SGD (the non-reentrant default hides activations from the per-sample gradient hooks). "
             "Set it, or turn gradient_checkpointing off."
+        )
+
+
+def check_hub_strategy(args: TrainingArguments) -> None:
+    """Refuse the hub strategies that push resumable checkpoints (also called by DPTrainer, after set_push_to_hub)."""
+    strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
+    if args.push_to_hub and strategy in RESUMABLE_HUB_STRATEGIES:
+        raise ValueError(
+            f"DPTrainingArguments: hub_strategy={strategy!r} pushes resumable checkpoints: trainer_state.json (the "
+            "loss of every logged step, computed on the private data), optimizer and RNG state and training_args.bin, "
+            "none of which the DP guarantee covers. Use hub_strategy='every_save' (weights, ledger and DP card at each "
+            "save) or 'end', keep checkpoints local for resuming, and push the finished run with trainer.push_to_hub() "
+            "or `hf-dp-repr push OUTPUT_DIR --hub_model_id me/name`."
         )
 
 

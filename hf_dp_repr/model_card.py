@@ -7,8 +7,13 @@ evaluation metrics (`all_results.json`) and the representation-law fits (`repres
 
 What the trainer cannot know, the caller says through `trainer.model_card_info` (a dict, all keys optional):
 `private_data`, `public_data` (one-line descriptions), `base_model` (Hub name, for the card's metadata),
-`base_model_description` (free text), `datasets` (Hub dataset ids, for the metadata), `model_name`, `analysis_data`
-(what the representation laws were measured on), `license`.
+`base_model_description` (free text), `datasets` (Hub dataset ids, for the metadata), `model_name` (what was
+fine-tuned on what; the card's title adds whether it is differentially private), `analysis_data` (what the
+representation laws were measured on), `license`. They are kept in the card's metadata (`hf_dp_repr`), so that
+`refresh_model_card(folder)` (e.g. `hf-dp-repr push`) renders the card again from the folder alone.
+
+A run with `noise_multiplier=0` gets a card that says what it is: a non-private reference, tagged
+`non-private-reference`, with no DP tag and no DP claim.
 
 Example (a ledger as `PrivacyLedger.to_dict()` writes it; ε computed by the accountant):
     >>> from hf_dp_repr.privacy.accounting import compute_epsilon
@@ -38,6 +43,16 @@ RESULTS_FILE = "all_results.json"
 LAW_FILE = "representation_law.json"
 CARD_FILE = "README.md"
 TAGS = ["differential-privacy", "dp-sgd", "opacus", "hf-dp-repr"]
+NON_PRIVATE_TAGS = ["non-private-reference", "hf-dp-repr"]
+META_KEY = "hf_dp_repr"  # card metadata: what the card was rendered from, besides the folder's files
+RANDOMNESS = {
+    "os-entropy": "drawn from OS entropy (no seed reproduces them)",
+    "seeded": "seeded with noise_seed: NOT private, anyone who knows the seed can remove the noise",
+}
+NEIGHBORING = {
+    "add_remove": "add/remove one example (n is treated as private)",
+    "replace_one": "replace one example",
+}
 _VERSIONED = ("hf_dp_repr", "torch", "transformers", "opacus", "accelerate", "datasets", "peft", "huggingface_hub")
 
 
@@ -71,6 +86,27 @@ def write_model_card(trainer, output_dir: str | os.PathLike) -> ModelCard:
     return card
 
 
+def refresh_model_card(folder: str | os.PathLike, *, write: bool = True) -> ModelCard:
+    """Render the card of the run saved in `folder` again, from its ledger and files alone (the caller's
+    `model_card_info` and the trained scope come from the metadata of the card already there, if any); saved as
+    `folder/README.md` when `write`."""
+    folder = Path(folder)
+    try:
+        ledger = _load_json(folder / LEDGER_FILE)
+    except ValueError as err:
+        raise ValueError(f"{folder / LEDGER_FILE} is not valid JSON ({err}).") from None
+    if ledger is None:
+        raise ValueError(f"{folder} has no {LEDGER_FILE}: not a run saved by DPTrainer.")
+    meta = {}
+    if (folder / CARD_FILE).is_file():
+        meta = ModelCard.load(folder / CARD_FILE).data.to_dict().get(META_KEY) or {}
+    card = render_model_card(ledger, model_card_info=meta.get("info"), scope=meta.get("scope", "all parameters"),
+                             output_dir=folder)
+    if write:
+        card.save(folder / CARD_FILE)
+    return card
+
+
 def render_model_card(ledger: dict, *, model_card_info: dict | None = None, scope: str = "all parameters",
                       output_dir: str | os.PathLike | None = None) -> ModelCard:
     """Render the card from a ledger dict (`PrivacyLedger.to_dict()`) and what `output_dir` holds."""
@@ -80,12 +116,13 @@ def render_model_card(ledger: dict, *, model_card_info: dict | None = None, scop
     base_model = info.get("base_model")
     hub_base = base_model if _looks_like_hub_id(base_model) else None
     datasets_ = [d for d in info.get("datasets", []) if _looks_like_hub_id(d)]
+    values = _template_values(ledger, info, scope, results, laws)
     card_data = ModelCardData(
-        library_name="transformers", tags=list(TAGS), base_model=hub_base, datasets=datasets_ or None,
-        license=info.get("license"),
+        library_name="transformers", tags=list(TAGS if values["private"] else NON_PRIVATE_TAGS), base_model=hub_base,
+        datasets=datasets_ or None, license=info.get("license"),
+        **{META_KEY: {"scope": scope, "info": {k: v for k, v in info.items() if v is not None}}},
     )
-    return ModelCard.from_template(card_data, template_path=template_path(),
-                                   **_template_values(ledger, info, scope, results, laws))
+    return ModelCard.from_template(card_data, template_path=template_path(), **values)
 
 
 def _template_values(led: dict, info: dict, scope: str, results: dict | None, laws: dict | None) -> dict:
@@ -109,8 +146,19 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
     target = led.get("target_epsilon")
     summary = (f"(ε = {_fmt(eps)}, δ = {led['target_delta']:g})-differentially private." if private and eps is not None
                else "Not differentially private: a non-private reference run (noise_multiplier = 0).")
+    if private and led.get("randomness") == "seeded":
+        summary += (" **Not private as released:** the noise was seeded with `noise_seed`, and anyone who knows "
+                    "the seed can remove it.")
+    name = info.get("model_name")
+    if private:
+        title = f"{name} (DP-SGD, ε = {_fmt(eps)})" if name else "DP fine-tuned model"
+    else:
+        title = f"{name}: non-private reference" if name else "Non-private reference model"
+    last_batch = phases[-1]["expected_batch_size"]
+    steps_per_epoch = max(1, n // last_batch)  # as DPTrainer's dataloader (and so the Trainer) counts an epoch
+    randomness, neighboring = led.get("randomness", "os-entropy"), led.get("neighboring", "add_remove")
     return dict(
-        model_name=info.get("model_name") or "DP fine-tuned model",
+        model_name=title,
         summary=summary,
         private=private,
         epsilon_text=_fmt(eps) if eps is not None else "not computed",
@@ -124,7 +172,12 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
         poisson_sampling=led.get("poisson_sampling", True),
         steps_done=steps,
         planned_steps=led.get("planned_steps", "?"),
-        epochs_text=_fmt(float(sum(q * t for _, q, t in history))),  # Σ q·t = examples seen / n
+        passes_text=_fmt(float(sum(q * t for _, q, t in history))),  # Σ q·t = expected examples seen / n
+        trainer_epochs_text=_fmt(steps / steps_per_epoch),
+        steps_per_epoch=steps_per_epoch,
+        last_batch=last_batch,
+        randomness_text=RANDOMNESS.get(randomness, randomness),
+        neighboring_text=NEIGHBORING.get(neighboring, neighboring),
         dataset_size=n,
         world_size=led.get("world_size", 1),
         phases=[{k: _fmt(v) if isinstance(v, float) else v for k, v in p.items()} for p in phases]

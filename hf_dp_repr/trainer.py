@@ -33,13 +33,13 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch.utils.data import DataLoader
 from transformers import Trainer, default_data_collator
-from transformers.trainer_utils import get_last_checkpoint
-from transformers.utils import ModelOutput
+from transformers.trainer_utils import HubStrategy, get_last_checkpoint
+from transformers.utils import ModelOutput, PushInProgress
 from transformers.utils import logging
 
 from .cached_head import prepare_cached_head
 from .checkpoint import load_checkpoint_weights
-from .config import DPTrainingArguments
+from .config import DPTrainingArguments, check_hub_strategy
 from .plan import plan_run, resume_ledger
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
@@ -69,6 +69,7 @@ class DPTrainer(Trainer):
                 "DPTrainer: compute_loss_func returns a batch loss; DP-SGD needs one loss per example. "
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
+        check_hub_strategy(args)  # again: set_push_to_hub() bypasses the arguments' own check
         if train_dataset is not None:
             check_train_dataset(train_dataset, args.target_delta)
         if peft_config is not None:
@@ -371,16 +372,35 @@ class DPTrainer(Trainer):
         super().save_model(output_dir, _internal_call=_internal_call)
         self._save_privacy_record(output_dir or self.args.output_dir)
 
-    # ---- Hub ------------------------------------------------------------------------------------------
+    def save_metrics(self, split, metrics, combined=True) -> None:
+        """As the Trainer's, but without the `train_*` metrics (computed on the private data outside DP-SGD) and as
+        valid JSON (ε = ∞ as null): these files may be pushed."""
+        if self.is_world_process_zero():
+            from .hub import save_public_metrics
+
+            save_public_metrics(self.args.output_dir, split, metrics, combined)
+
+    # ---- Hub: every push goes through hf_dp_repr.hub's allow-list -----------------------------------------------
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Check login and write access first (`hf_dp_repr.hub.check_hub_access`), then create the repository."""
+        if self.is_world_process_zero():
+            from .hub import check_hub_access
+
+            check_hub_access(self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir)), token)
+        super().init_hf_repo(token=token, private=private)
+
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
-                    revision: str | None = None, **kwargs):
+                    revision: str | None = None, private: bool | None = None, **kwargs):
         """Save, then upload the run through `hf_dp_repr.hub.push_dp_model`: an allow-list of files (weights,
         metrics, representation laws, privacy ledger, the DP model card), never checkpoints or training_args.bin."""
         from .hub import push_dp_model
 
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
         self.save_model(_internal_call=True)
-        return push_dp_model(self, self.args.hub_model_id, commit_message=commit_message, revision=revision,
-                             token=token)
+        self._finish_current_push()
+        return push_dp_model(self, self.hub_model_id or self.args.hub_model_id, commit_message=commit_message,
+                             revision=revision or self.args.hub_revision, token=token, private=private,
+                             run_as_future=not blocking)
 
     def create_model_card(self, *args, **kwargs):
         """The DP model card (ε, δ, σ, scope, ...), never the Trainer's generic one, which would overwrite it."""
@@ -392,14 +412,28 @@ class DPTrainer(Trainer):
             write_model_card(self, self.args.output_dir)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        # The Trainer copies only the weights from the checkpoint before pushing the output folder: bring the
-        # checkpoint's ledger and card along, so what is pushed states the guarantee of those weights.
-        if self.is_world_process_zero():
-            for name in (LEDGER_FILE, "README.md"):
-                src = os.path.join(checkpoint_folder, name)
-                if os.path.isfile(src):
-                    shutil.copy(src, os.path.join(self.args.output_dir, name))
-        super()._push_from_checkpoint(checkpoint_folder)
+        """A push during training (hub_strategy 'every_save'): the checkpoint's allow-listed files (weights, ledger,
+        DP card) are copied to output_dir and pushed from there through the allow-list, never the checkpoint's
+        trainer_state.json, optimizer / RNG state or training_args.bin (the Trainer's own push sends them)."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        check_hub_strategy(self.args)
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        from .hub import files_to_push, upload_run
+
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        out = self.args.output_dir
+        for name in files_to_push(checkpoint_folder):
+            shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(out, name))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+        job = upload_run(out, self.hub_model_id, commit_message=f"Training in progress, step {self.state.global_step}",
+                         revision=self.args.hub_revision, run_as_future=True)
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress([job])
+        else:
+            self.push_in_progress.jobs.append(job)
 
     def save_merged_model(self, output_dir: str | None = None) -> None:
         """For a LoRA (PEFT) model: save the base weights with the adapters merged in, as a plain HF model

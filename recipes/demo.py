@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -98,10 +99,8 @@ def _report(out: Path, rows: dict, seconds: float) -> dict:
     for name in RUNS:
         shutil.copy(out / name / "README.md", report / f"model_card_{name}.md")
     gap = 100 * (rows["non_private"]["accuracy"] - rows["dp_eps1"]["accuracy"])
-    summary = {"runs": {k: {f: v for f, v in r.items() if not f.endswith("law_entry")} for k, r in rows.items()},
-               "eps1_gap_points": gap, "within_acceptance": gap <= ACCEPTANCE_POINTS,
-               "seconds": round(seconds, 1)}
-    (report / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    summary = _summary(rows, gap, seconds)
+    (report / "summary.json").write_text(json.dumps(summary, indent=2, default=str, allow_nan=False))
     table = _table(rows)
     (report / "table.md").write_text(table + "\n")
     print("\n" + table)
@@ -109,6 +108,20 @@ def _report(out: Path, rows: dict, seconds: float) -> dict:
           f"({'within' if gap <= ACCEPTANCE_POINTS else 'NOT within'} {ACCEPTANCE_POINTS:g}). "
           f"Report: {report}/ (summary.json, laws.png, model cards). Runs: {seconds:.0f} s.")
     return summary
+
+
+def _summary(rows: dict, gap: float, seconds: float) -> dict:
+    """summary.json's content, valid JSON: the non-private reference's ε = ∞ is null, with
+    `differentially_private: false` saying why."""
+    runs = {}
+    for name, r in rows.items():
+        run = {f: v for f, v in r.items() if not f.endswith("law_entry")}
+        eps = run["epsilon"]
+        run["differentially_private"] = eps is not None and math.isfinite(eps)
+        run["epsilon"] = eps if run["differentially_private"] else None
+        runs[name] = run
+    return {"runs": runs, "eps1_gap_points": gap, "within_acceptance": gap <= ACCEPTANCE_POINTS,
+            "seconds": round(seconds, 1)}
 
 
 def _table(rows: dict) -> str:

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = DPTrainer(model=model, args=targs, train_dataset=blocks["private"], eval_dataset=blocks["eval"],
                         processing_class=tokenizer, callbacks=callbacks)
     trainer.model_card_info = dict(
-        model_name=f"{name} DP fine-tuned on {margs.dataset_name}",
+        model_name=f"{name} fine-tuned on {margs.dataset_name}",
         base_model=None if ru.is_tiny(name) else name,
         base_model_description=(f"{name} (built-in tiny config, random init), pre-trained here on the public data"
                                 if ru.is_tiny(name) and public_docs is not None else name),

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
                         data_collator=collate, compute_metrics=ru.accuracy_metrics(), callbacks=callbacks)
     trainer.model_card_info = dict(
-        model_name=f"{model_name} DP fine-tuned on {margs.dataset_name}",
+        model_name=f"{model_name} fine-tuned on {margs.dataset_name}",
         base_model=None if ru.is_tiny(model_name) else model_name,
         base_model_description=(f"{model_name} (built-in tiny config, random init), pre-trained here on the public "
                                 "data" if ru.is_tiny(model_name) and public else model_name),

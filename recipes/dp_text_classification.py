@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
                         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                         compute_metrics=ru.accuracy_metrics())
     trainer.model_card_info = dict(
-        model_name=f"{margs.model_name_or_path} DP fine-tuned on {margs.dataset_name}",
+        model_name=f"{margs.model_name_or_path} fine-tuned on {margs.dataset_name}",
         base_model=margs.model_name_or_path if not os.path.isdir(margs.model_name_or_path) else None,
         base_model_description=margs.model_name_or_path,
         datasets=[margs.dataset_name] if margs.dataset_name != STDLIB_TOPICS else [],

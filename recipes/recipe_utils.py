@@ -215,11 +215,16 @@ def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_m
 def start_run(dataclass_types, argv: list[str] | None = None):
     """What every recipe does first: parse the arguments, set up logging, seed (so a newly initialised head is the
     same in every process and every run), and take `push_to_hub` over so the run is pushed once at the end, by
-    `hf_dp_repr.hub` (DP card, allow-listed files). Returns (model/data args, training args, push)."""
+    `hf_dp_repr.hub` (DP card, allow-listed files), after checking login and write access before any work.
+    Returns (model/data args, training args, push)."""
     from transformers import set_seed
 
     margs, targs = parse_args(dataclass_types, argv)
     setup_logging(targs)
+    if targs.push_to_hub:  # login and write access now, not after training
+        from hf_dp_repr.hub import check_hub_access
+
+        targs.hub_model_id = check_hub_access(targs.hub_model_id or Path(targs.output_dir).resolve().name)
     set_seed(targs.seed)
     push, targs.push_to_hub = targs.push_to_hub, False
     return margs, targs, push

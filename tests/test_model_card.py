@@ -5,6 +5,7 @@ import math
 
 import pytest
 from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl, hf_api
+from huggingface_hub import constants as hf_constants
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import load_digits_dataset
@@ -47,7 +48,8 @@ def test_card_states_the_guarantee_data_scope_versions_and_laws(tmp_path):
     for fact in ("| δ | 1e-05 |", "| target ε | 4 |", "rdp (Opacus)", "| noise multiplier σ | 1.25 |",
                  "| per-example clipping norm C | 0.5 (per_layer clipping) |",
                  "Poisson batches, sample rate q = 0.05 (expected logical batch 64)", "| steps taken / planned | 200 / 200 |",
-                 "| epochs (Σ steps × q) | 10 |", "| private training examples (n) | 1280 |", "| processes | 2 |",
+                 "| epochs, as the Trainer counts them | 10 |", "| expected passes over the data (Σ q × steps) | 10 |",
+                 "| private training examples (n) | 1280 |", "| processes | 2 |",
                  "PRIVATE-SET-XYZ", "PUBLIC-SET-ABC", "last 2 of 4 blocks + head (classifier)",
                  "google/vit-base-patch16-224-in21k", "| eval_accuracy | 0.9123 |",
                  "| separation fuzziness D_l | 0.4321 | -0.987 | 0..4 |", "| prediction residual PR_l | 0.8765 | -0.95 | 1..4 |"):
@@ -72,7 +74,8 @@ def test_card_of_a_two_phase_run_has_a_phase_table(tmp_path):
     text = render_model_card(led).text
     assert "### Phases" in text and "per phase, see the table below" in text
     assert "| linear_probe | 2 | 0.1 | 128 | 30 |" in text and "| fine_tune | 3.5 | 0.05 | 64 | 70 |" in text
-    assert "| epochs (Σ steps × q) | 6.5 |" in text  # 30·0.1 + 70·0.05
+    assert "| expected passes over the data (Σ q × steps) | 6.5 |" in text  # 30·0.1 + 70·0.05
+    assert "| epochs, as the Trainer counts them | 5 |" in text  # 100 steps of ⌊1280 / 64⌋ = 20
 
 
 def test_card_of_a_legacy_scalar_ledger(tmp_path):
@@ -90,6 +93,55 @@ def test_non_private_and_non_poisson_runs_are_flagged():
     assert "NOT differentially private (ε = ∞)" in text and "-differentially private." not in text
     text = render_model_card(_ledger(poisson_sampling=False)).text
     assert "is **not** a proven guarantee" in text and "shuffled fixed-size batches" in text
+
+
+def _non_private_ledger():
+    q = 128 / 1006  # the demo's reference run: 1006 private examples, logical batch 128, 30 epochs of 7 steps
+    return _ledger(history=[[0.0, q, 210]], target_epsilon=None, dataset_size=1006, steps_done=210,
+                   planned_steps=210, phases=[dict(name="train", noise_multiplier=0.0, sample_rate=q, steps=210,
+                                                   expected_batch_size=128)])
+
+
+def test_card_of_a_non_private_reference_says_what_it_is():
+    from hf_dp_repr.model_card import NON_PRIVATE_TAGS
+
+    card = render_model_card(_non_private_ledger(), model_card_info={"model_name": "tiny_vit fine-tuned on digits"})
+    text = card.text
+    assert text.lstrip().startswith("# tiny_vit fine-tuned on digits: non-private reference\n")
+    assert card.data.tags == NON_PRIVATE_TAGS and not {"differential-privacy", "dp-sgd", "opacus"} & set(card.data.tags)
+    assert ModelCard(str(card)).data.tags == NON_PRIVATE_TAGS
+    assert "NOT differentially private (ε = ∞)" in text and "**no noise**" in text
+    for claim in ("differentially private SGD", "DP-SGD", "DP fine-tuned", "Privacy guarantee", "trained under DP",
+                  "-differentially private."):
+        assert claim not in text, claim
+    assert render_model_card(_non_private_ledger()).text.lstrip().startswith("# Non-private reference model\n")
+    private = render_model_card(_ledger(), model_card_info={"model_name": "tiny_vit fine-tuned on digits"})
+    assert private.text.lstrip().startswith("# tiny_vit fine-tuned on digits (DP-SGD, ε = ")
+
+
+def test_card_gives_the_trainers_epochs_and_the_expected_passes_with_the_reason():
+    text = render_model_card(_non_private_ledger()).text
+    assert "(30 epochs as the Trainer counts them,\n26.72 expected passes over the data)" in text
+    assert "the Trainer counts ⌊n / batch⌋ = 7 steps (logical batch 128) as an epoch" in text
+    assert "Σ q × steps =\n26.72; the two differ when n is not a multiple of the batch" in text
+    q = 128 / 1006
+    text = render_model_card(_ledger(history=[[1.0, q, 210]], dataset_size=1006, steps_done=210, planned_steps=210,
+                                     phases=[dict(name="train", noise_multiplier=1.0, sample_rate=q, steps=210,
+                                                  expected_batch_size=128)])).text
+    assert "| epochs, as the Trainer counts them | 30 |" in text
+    assert "| expected passes over the data (Σ q × steps) | 26.72 |" in text
+
+
+def test_card_states_how_the_noise_was_drawn_and_the_neighbouring_relation():
+    text = render_model_card(_ledger()).text  # ledgers without the fields: OS entropy, add/remove
+    assert "| noise and batch sampling | drawn from OS entropy (no seed reproduces them) |" in text
+    assert "| neighbouring relation | add/remove one example (n is treated as private) |" in text
+    assert "Not private as released" not in text
+    text = render_model_card(_ledger(randomness="seeded", neighboring="replace_one")).text
+    assert ("| noise and batch sampling | seeded with noise_seed: NOT private, anyone who knows the seed can remove "
+            "the noise |") in text
+    assert "| neighbouring relation | replace one example |" in text
+    assert "**Not private as released:**" in text.split("## Privacy guarantee")[0]  # said under the title
 
 
 def test_template_is_the_one_in_model_cards():
@@ -121,20 +173,42 @@ def test_every_save_writes_the_card_next_to_the_ledger(trained):
         ledger = json.loads((folder / "privacy_ledger.json").read_text())
         assert f"**{ledger['epsilon']:.4g}**" in card.text and "digits train split" in card.text
         assert "differential-privacy" in card.data.tags
+        assert f"| epochs, as the Trainer counts them | {trainer.state.epoch:.4g} |" in card.text
     assert write_model_card(trainer, out).text == ModelCard.load(out / "README.md").text
 
 
-class _Capture:
-    """Stands in for the Hub: records create_repo and the operations of create_commit."""
+def test_card_refreshed_from_the_folder_alone_keeps_what_the_caller_said(trained, tmp_path):
+    import shutil
 
-    def __init__(self, monkeypatch):
-        self.repos, self.files, self.validated = [], {}, []
+    from hf_dp_repr.model_card import refresh_model_card
+
+    trainer, out = trained
+    folder = tmp_path / "copy"
+    shutil.copytree(out, folder, ignore=shutil.ignore_patterns("checkpoint-*"))
+    before = (folder / "README.md").read_text()
+    assert refresh_model_card(folder).text == ModelCard(before).text and "digits train split" in before
+    (folder / "privacy_ledger.json").write_text("{not json")
+    with pytest.raises(ValueError, match="privacy_ledger.json is not valid JSON"):
+        refresh_model_card(folder)
+
+
+class _Capture:
+    """Stands in for the Hub: records whoami, create_repo and the operations of each create_commit (`commits`: the
+    sorted paths of each push), so the real upload_folder filtering runs and nothing reaches the network."""
+
+    def __init__(self, monkeypatch, user="someone", role="write"):
+        self.repos, self.files, self.validated, self.commits, self.whoami_calls = [], {}, [], [], 0
+
+        def whoami(api, token=None, **kw):
+            self.whoami_calls += 1
+            return {"type": "user", "name": user, "orgs": [], "auth": {"accessToken": {"role": role}}}
 
         def create_repo(api, repo_id, **kw):
             self.repos.append((repo_id, kw.get("private")))
             return RepoUrl(f"https://huggingface.co/{repo_id}")
 
         def create_commit(api, repo_id, operations, **kw):
+            self.commits.append(sorted(op.path_in_repo for op in operations))
             for op in operations:
                 src = op.path_or_fileobj
                 self.files[op.path_in_repo] = src.read_bytes() if hasattr(src, "read_bytes") else open(src, "rb").read()
@@ -148,6 +222,8 @@ class _Capture:
         # file to create_commit, which is where we listen.
         monkeypatch.setattr(hf_api, "is_xet_available", lambda: False, raising=False)
         monkeypatch.setattr(HfApi, "_validate_yaml", validate_yaml)
+        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # the calls below never reach the network
+        monkeypatch.setattr(HfApi, "whoami", whoami)
         monkeypatch.setattr(HfApi, "create_repo", create_repo)
         monkeypatch.setattr(HfApi, "create_commit", create_commit)
 
@@ -160,13 +236,16 @@ def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, monkeypat
     monkeypatch.setenv("HF_TOKEN", secret)
     hub = _Capture(monkeypatch)
     trainer.args.hub_model_id = "someone/dp-digits"
+    card_before = (out / "README.md").read_bytes()
+    with pytest.raises(ValueError, match="all_results.json holds train_loss, computed on the private data"):
+        push_dp_model(trainer)  # an all_results.json not written by DPTrainer.save_metrics
+    assert hub.repos == [] and hub.commits == [] and (out / "README.md").read_bytes() == card_before
+    (out / "all_results.json").write_text(json.dumps({"eval_accuracy": 0.9123, "eval_runtime": 1.5, "epsilon": 2.5}))
     push_dp_model(trainer)
     assert hub.repos == [("someone/dp-digits", trainer.args.hub_private_repo)]
     assert hub.validated and "differential-privacy" in hub.validated[0]
-    sent = set(hub.files)
-    assert {"model.safetensors", "config.json", "privacy_ledger.json", "README.md", "all_results.json",
-            "representation_law.json", "representation_law.png"} <= sent
-    assert not any(p.startswith("checkpoint-") or p == "training_args.bin" for p in sent), sent
+    assert hub.commits == [["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json",
+                            "representation_law.json", "representation_law.png"]]
     card = ModelCard(hub.files["README.md"].decode())
     assert "differential-privacy" in card.data.tags and "| eval_accuracy | 0.9123 |" in card.text
     assert json.loads(hub.files["privacy_ledger.json"])["steps_done"] == 3

@@ -129,10 +129,10 @@ def test_recipe_push_sends_the_dp_run(image_run, monkeypatch):
     hub = _Capture(monkeypatch)
     image_recipe.main([a if a != str(out / "run") else str(out / "pushed") for a in argv]
                       + ["--push_to_hub", "true", "--hub_model_id", "someone/digits-dp"])
-    assert hub.repos[0][0] == "someone/digits-dp"
-    assert {"model.safetensors", "README.md", "privacy_ledger.json", "all_results.json", "representation_law.json",
-            "representation_law.png"} <= set(hub.files)
-    assert not any("public" in p or p == "training_args.bin" for p in hub.files)
+    assert hub.whoami_calls == 1 and hub.repos[0][0] == "someone/digits-dp"  # access checked before the run
+    assert hub.commits == [["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json",
+                            "representation_law.json", "representation_law.png"]]
+    assert "train_loss" not in json.loads(hub.files["all_results.json"])
 
 
 def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path):

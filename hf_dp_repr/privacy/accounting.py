@@ -246,15 +246,16 @@ class PrivacyLedger:
         d["history"] = [list(h) for h in self.history]
         d["steps_done"] = self.steps_done
         d["planned_steps"] = self.planned_steps
-        d["epsilon"] = self.epsilon()
+        # ε = ∞ (σ = 0) is written as null: bare Infinity is not JSON.
+        d["epsilon"] = _finite_or_none(self.epsilon())
         if len(self.phases) > 1:
-            d["epsilon_by_phase"] = self.epsilon_by_phase()
+            d["epsilon_by_phase"] = {k: _finite_or_none(v) for k, v in self.epsilon_by_phase().items()}
         return d
 
     def save(self, directory: str) -> str:
         path = os.path.join(directory, LEDGER_FILE)
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
         return path
 
     @classmethod
@@ -284,6 +285,10 @@ def _full_batch(history: History):
     """q = 1 (every example in every batch: no amplification by sampling) is exact in Opacus' accountants, but
     the PRV one evaluates log(1 - q) = -inf on a branch it then discards, with a RuntimeWarning: silence that."""
     return np.errstate(divide="ignore") if any(q == 1 for _, q, _ in history) else contextlib.nullcontext()
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _merge(history: History) -> History:
