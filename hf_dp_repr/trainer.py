@@ -37,7 +37,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import ModelOutput
 from transformers.utils import logging
 
-from .cached_head import prepare_cached_head
+from .cached_head import prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments
 from .plan import plan_run, resume_ledger
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
@@ -275,6 +275,9 @@ class DPTrainer(Trainer):
         if not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
             return torch.zeros((), device=self.args.device)
         model.train()
+        scope = self._scopes[min(self._applied_phase or 0, len(self._scopes) - 1)] if self._scopes else None
+        if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
+            set_probe_modes(self.model, scope.head_modules)
         inputs = self._prepare_inputs(inputs)
         if "labels" not in inputs:
             raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")
