@@ -238,6 +238,8 @@ class DPTrainer(Trainer):
                     delattr(p, attr)
 
     def _announce_plan(self) -> None:
+        if not self.is_world_process_zero():  # once, not once per process
+            return
         led = self.ledger
         if led.randomness == "seeded":
             logger.warning(f"DPTrainer: noise_seed={self.args.noise_seed}. The noise and the batches are reproducible "
