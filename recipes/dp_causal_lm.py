@@ -148,8 +148,9 @@ def load_documents(margs: LMArguments):
 
         paragraphs = [p for p in stdlib_text().split("\n\n") if p.strip()]
         n_eval = len(paragraphs) // 10
-        return {"train": datasets.Dataset.from_dict({"text": paragraphs[:-n_eval]}),
-                "eval": datasets.Dataset.from_dict({"text": paragraphs[-n_eval:]})}
+        train, evals = unique_documents(paragraphs[:-n_eval], paragraphs[-n_eval:])
+        return {"train": datasets.Dataset.from_dict({"text": train}),
+                "eval": datasets.Dataset.from_dict({"text": evals})}
     raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
     out = {}
     splits = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
@@ -157,7 +158,34 @@ def load_documents(margs: LMArguments):
         if margs.text_column != "text":
             ds = ds.rename_column(margs.text_column, "text")
         out[key] = ds.filter(lambda t: bool(t.strip()), input_columns="text")
-    return out
+    keep_train, keep_eval = unique_documents(out["train"]["text"], out["eval"]["text"], indices=True)
+    return {"train": out["train"].select(keep_train), "eval": out["eval"].select(keep_eval)}
+
+
+def unique_documents(train: list[str], evals: list[str], indices: bool = False):
+    """Each distinct document (compared with whitespace normalised) once: its first copy in the eval split, else its
+    first copy in the training split. Repeated paragraphs (an inherited docstring, a boilerplate line) would otherwise
+    land on both sides of the public / private split, twice in the private set (one unit of privacy counted twice),
+    or in train and eval. Returns the kept (train, eval) texts, or their indices with `indices=True`."""
+    seen: set[str] = set()
+
+    def keep(texts):
+        out = []
+        for i, text in enumerate(texts):
+            key = " ".join(text.split())
+            if key not in seen:
+                seen.add(key)
+                out.append(i)
+        return out
+
+    keep_eval = keep(evals)
+    keep_train = keep(train)
+    dropped = len(train) - len(keep_train) + len(evals) - len(keep_eval)
+    if dropped:
+        logger.info("%d repeated documents dropped (each distinct text kept once, eval copies first)", dropped)
+    if indices:
+        return keep_train, keep_eval
+    return [train[i] for i in keep_train], [evals[i] for i in keep_eval]
 
 
 def to_blocks(docs, tokenizer, margs: LMArguments):

@@ -163,6 +163,28 @@ def test_causal_lm_public_and_private_documents_are_disjoint():
     assert len(public) + len(private) == len(docs["train"])
     assert sorted(list(public["text"]) + list(private["text"])) == sorted(docs["train"]["text"])  # a partition
 
+    def norm(texts):
+        return [" ".join(t.split()) for t in texts]
+
+    pub, priv, held = norm(public["text"]), norm(private["text"]), norm(docs["eval"]["text"])
+    assert len(set(priv)) == len(priv) and len(set(pub)) == len(pub) and len(set(held)) == len(held)
+    assert not set(priv) & set(pub) and not set(priv) & set(held) and not set(pub) & set(held)
+    from hf_dp_repr.analysis.corpus import stdlib_text
+
+    raw = {" ".join(p.split()) for p in stdlib_text().split("\n\n") if p.strip()}
+    assert set(pub) | set(priv) | set(held) == raw  # every distinct paragraph is still there, once
+
+
+def test_documents_of_a_saved_dataset_are_deduplicated_across_splits(tmp_path):
+    import datasets
+
+    from dp_causal_lm import LMArguments, load_documents
+
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": ["a b", "c", "a  b", "", "d", "e"]}),
+                         test=datasets.Dataset.from_dict({"text": ["d", "f", "f"]})).save_to_disk(tmp_path / "d")
+    docs = load_documents(LMArguments(dataset_name=str(tmp_path / "d")))
+    assert docs["train"]["text"] == ["a b", "c", "e"] and docs["eval"]["text"] == ["d", "f"]
+
 
 def test_image_recipe_on_an_npz_of_rgb_images(tmp_path):
     """The path real images take (seed 000 on ../shared/data/cifar10_partial.npz): uint8 RGB arrays → PIL →
@@ -226,7 +248,7 @@ def test_text_recipe_fine_tunes_the_real_pretrained_minilm_offline(tmp_path, cap
     assert not torch.equal(tuned["bert.encoder.layer.5.output.dense.weight"],
                            pretrained["encoder.layer.5.output.dense.weight"])
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path)  # plain HF model + tokenizer
-    assert model.config.id2label[0] == "argparse" and model.config.num_labels == 18
+    assert model.config.id2label[0] == "collections" and model.config.num_labels == 16
     assert AutoTokenizer.from_pretrained(tmp_path)("x")["input_ids"][0] == 101  # [CLS]
     card = (tmp_path / "README.md").read_text()
     assert "one docstring paragraph" in card and "last 1 of 6 blocks" in card
