@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import recipe_utils as ru  # noqa: E402  (sibling module)
+import recipe_checks as checks  # noqa: E402  (sibling modules)
+import recipe_report  # noqa: E402
+import recipe_utils as ru  # noqa: E402
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
 
@@ -74,6 +76,9 @@ class LMArguments:
     analyze_representations: bool = field(default=False, metadata={
         "help": "Measure the prediction-residual law (hidden state → next token) on the eval blocks."})
     analysis_max_examples: int | None = field(default=256, metadata={"help": "Analyse at most this many blocks."})
+    sample_prompt: str = field(default="Return the", metadata={
+        "help": "Prompt of the sample the DP model generates (greedy) for the result table; '' for none."})
+    sample_max_new_tokens: int = field(default=24, metadata={"help": "Length of that sample, in tokens."})
     config: str | None = field(default=None, metadata={
         "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
 
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
               (("private", private_docs), ("eval", docs["eval"]), ("public", public_docs)) if d is not None}
     if margs.max_eval_blocks:
         blocks["eval"] = blocks["eval"].select(range(min(margs.max_eval_blocks, len(blocks["eval"]))))
+    plan = checks.check_before_work(model, blocks["private"], targs)  # before any work, before anything is written
+    recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
 
     if public_docs is not None:
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                          vocab=len(tokenizer))
         path = ru.pretrain_on_public(model, blocks["public"], save_dir=save_dir, training_args=targs,
                                      epochs=margs.public_epochs, learning_rate=margs.public_learning_rate,
-                                     batch_size=margs.public_batch_size, signature=signature, log=logger.warning)
+                                     batch_size=margs.public_batch_size, signature=signature, log=logger.info)
         model = type(model).from_pretrained(path)
 
     callbacks = []
@@ -131,16 +138,36 @@ def main(argv: list[str] | None = None) -> dict:
         analysis_data=f"{len(blocks['eval'])} blocks of the '{margs.eval_split}' split (not trained on)",
     )
     result = trainer.train()
-    return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity)
+    return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
+                         extra_rows=lambda t: _sample(t, margs))
 
 
 def _perplexity(metrics: dict) -> dict:
     return {"eval_perplexity": math.exp(metrics["eval_loss"])} if "eval_loss" in metrics else {}
 
 
+def _sample(trainer, margs: LMArguments) -> dict:
+    """A greedy continuation of `--sample_prompt` by the DP model, for the result table."""
+    import torch
+
+    if not margs.sample_prompt or margs.sample_max_new_tokens < 1:
+        return {}
+    tok, model = trainer.processing_class, trainer.model
+    inputs = tok(margs.sample_prompt, return_tensors="pt").to(model.device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=margs.sample_max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    model.train(was_training)
+    text = tok.decode(out[0], skip_special_tokens=True)
+    return {"sample (greedy, DP model)": repr(text)}
+
+
 # ---- data ------------------------------------------------------------------------------------------------------
 def load_documents(margs: LMArguments):
-    """{"train", "eval"} datasets with one document per row in `text`."""
+    """{"train", "eval"} datasets with one document per row in `text`, each distinct text once across both (see
+    `unique_documents`): the public / private split of "train" is then disjoint by content, not only by row."""
     import datasets
 
     if margs.dataset_name == STDLIB:
