@@ -34,6 +34,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see recipe_utils.py)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import recipe_checks as checks  # noqa: E402  (sibling modules)
