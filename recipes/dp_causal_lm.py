@@ -70,7 +70,7 @@ class LMArguments:
         "help": "Share of the training documents used as PUBLIC data (non-private pre-training, and the "
                 "tokenizer if one is trained); DP fine-tuning uses the disjoint rest. Default: 0.5 for a tiny "
                 "config, 0 otherwise."})
-    public_epochs: float = field(default=3, metadata={"help": "Epochs of the non-private public pre-training."})
+    public_epochs: float = field(default=15, metadata={"help": "Epochs of the non-private public pre-training."})
     public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
     public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
     public_model_dir: str | None = field(default=None, metadata={
