@@ -1,14 +1,15 @@
 """Linear probing on cached backbone features.
 
-When only the head trains and the backbone is deterministic, the head sees the same input for an example
-at every epoch. We compute those inputs once (one batched forward pass over the training set, eval mode,
-no autograd) and run DP-SGD on the head alone over them, so an epoch costs a head-sized step. The DP
-mechanism is unchanged: the same Poisson batches, per-example clipping and noise, over the same n examples.
+In a linear probe only the head trains; the frozen backbone runs in eval mode (`set_probe_modes`: it is not
+trained, so its dropout would only make its features random; the head keeps train mode), so the head sees the
+same input for an example at every epoch. We compute those inputs once (one batched forward pass over the
+training set, eval mode, no autograd) and run DP-SGD on the head alone over them, so an epoch costs a head-sized
+step. The DP mechanism is unchanged: the same Poisson batches, per-example clipping and noise, over the same n
+examples.
 
 Caching is only done when it gives the same updates as running the backbone:
 - the head is one module whose output is the model's logits (checked on the first batch);
 - the head shares no parameter with the backbone (a tied `lm_head` is also the input embedding);
-- the backbone gives the same head input in train and eval mode (no active dropout), unless forced;
 - the dataset is a `datasets.Dataset` with no transform (random augmentation), unless forced.
 """
 
@@ -55,12 +56,23 @@ def data_reason_not_to_cache(dataset) -> str | None:
     return None
 
 
-def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoader, device: torch.device,
-                        allow_random_backbone: bool, show_progress: bool = True) -> CachedHeadInputs:
-    """Run the model once over `loader` and keep what enters the head.
+def set_probe_modes(model: torch.nn.Module, head_names: list[str]) -> None:
+    """Linear probe: the frozen backbone (everything but the head) in eval mode, the head in train mode, and so is
+    any module holding a trained parameter (a head tied to the input embedding): Opacus computes per-example
+    gradients only for modules in train mode."""
+    model.eval()
+    for name in head_names:
+        model.get_submodule(name).train()
+    for module in model.modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            module.train()
 
-    Raises `NotCacheable` if the head's output is not the model's logits, or (unless `allow_random_backbone`)
-    if the backbone's output differs between train and eval mode."""
+
+def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoader, device: torch.device,
+                        show_progress: bool = True) -> CachedHeadInputs:
+    """Run the model once over `loader`, in eval mode (as the probe's backbone runs), and keep what enters the head.
+
+    Raises `NotCacheable` if the head's output is not the model's logits."""
     head = model.get_submodule(head_name)
     seen: dict[str, torch.Tensor] = {}
 
@@ -74,11 +86,6 @@ def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoad
         for i, batch in enumerate(tqdm(loader, desc="caching head inputs", disable=not show_progress)):
             batch = {k: v.to(device) for k, v in batch.items()}
             y = batch.pop("labels")
-            if i == 0 and not allow_random_backbone:
-                model.train()
-                with torch.no_grad():
-                    model(**batch)
-                train_input = seen["input"]
             model.eval()
             with torch.no_grad():
                 logits = model(**batch).logits
@@ -86,9 +93,6 @@ def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoad
                 if seen["output"].shape != logits.shape or not torch.equal(seen["output"], logits):
                     raise NotCacheable(f"the output of `{head_name}` is not the model's logits "
                                        "(the model post-processes it)")
-                if not allow_random_backbone and not torch.equal(train_input, seen["input"]):
-                    raise NotCacheable("the backbone is random in train mode (dropout); set its dropout to 0, or "
-                                       "cache_features=True to train the head on eval-mode features")
             features.append(seen["input"].cpu())
             labels.append(y.cpu())
     finally:
@@ -117,8 +121,7 @@ def prepare_cached_head(model: torch.nn.Module, scopes: list, args, train_datase
         dataset, collator = dataset_and_collator()
         loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
         try:
-            inputs = compute_head_inputs(model, head_names[0], loader, args.device, allow_random_backbone=forced,
-                                         show_progress=not args.disable_tqdm)
+            inputs = compute_head_inputs(model, head_names[0], loader, args.device, show_progress=not args.disable_tqdm)
             return head_names[0], inputs, None
         except NotCacheable as e:
             reason = str(e)

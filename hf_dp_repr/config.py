@@ -115,9 +115,9 @@ class DPTrainingArguments(TrainingArguments):
     )
     cache_features: bool | None = field(
         default=None,
-        metadata={"help": "Linear probing (trainable_blocks=0) on backbone features computed once, so an epoch "
-                  "costs a head-sized step. None (default): when the backbone is deterministic and the dataset has "
-                  "no transform; False: never (e.g. with random augmentation); True: always (eval-mode features)."},
+        metadata={"help": "Linear probing (trainable_blocks=0) on backbone features computed once (the frozen backbone "
+                  "runs in eval mode), so an epoch costs a head-sized step. None (default): when the dataset has no "
+                  "transform; False: never (e.g. with random augmentation); True: always."},
     )
     # Trainer's own clipping would clip the *non-private* summed gradient and log its norm: a leak.
     max_grad_norm: float = field(

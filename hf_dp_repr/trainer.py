@@ -37,7 +37,7 @@ from transformers.trainer_utils import HubStrategy, get_last_checkpoint
 from transformers.utils import ModelOutput, PushInProgress
 from transformers.utils import logging
 
-from .cached_head import prepare_cached_head
+from .cached_head import prepare_cached_head, set_probe_modes
 from .checkpoint import load_checkpoint_weights
 from .config import DPTrainingArguments, check_hub_strategy
 from .plan import plan_run, resume_ledger
@@ -241,6 +241,8 @@ class DPTrainer(Trainer):
                     delattr(p, attr)
 
     def _announce_plan(self) -> None:
+        if not self.is_world_process_zero():  # once, not once per process
+            return
         led = self.ledger
         if led.randomness == "seeded":
             logger.warning(f"DPTrainer: noise_seed={self.args.noise_seed}. The noise and the batches are reproducible "
@@ -279,6 +281,9 @@ class DPTrainer(Trainer):
         if not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
             return torch.zeros((), device=self.args.device)
         model.train()
+        scope = self._scopes[min(self._applied_phase or 0, len(self._scopes) - 1)] if self._scopes else None
+        if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
+            set_probe_modes(self.model, scope.head_modules)
         inputs = self._prepare_inputs(inputs)
         if "labels" not in inputs:
             raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see recipe_utils.py)
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -36,8 +38,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="demo_out")
     parser.add_argument("--config", default=str(HERE / "configs" / "demo_digits.yaml"))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: the tiny ViT gains nothing from more, and on a busy "
+                             "machine OpenMP threads spinning at barriers made each step several times slower)")
     parser.add_argument("extra", nargs="*", help="more recipe arguments, after --, applied to every run")
     opts = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(opts.threads)
     import dp_image_classification as recipe
     from transformers.utils import logging as hf_logging
 
@@ -46,12 +54,17 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(opts.output_dir)
     start = time.time()
     rows = {}
-    for name, differs in RUNS.items():
+    stages = len(RUNS) + 1
+    for i, (name, differs) in enumerate(RUNS.items(), start=1):
         t0 = time.time()
-        print(f"\n=== {name}: {' '.join(differs)} ===", flush=True)
+        what = "public pre-training (non-private, once), then " if i == 1 else ""
+        print(f"\n=== [{i}/{stages}] {name}: {what}DP fine-tuning with {' '.join(differs)} "
+              f"({time.time() - start:.0f} s so far) ===", flush=True)
         metrics = recipe.main(["--config", opts.config, "--output_dir", str(out / name),
                                "--public_model_dir", str(out / "public_pretrained"), *differs, *opts.extra])
         rows[name] = _row(out / name, metrics, time.time() - t0)
+    print(f"\n=== [{stages}/{stages}] report: the public model's accuracy and laws, the table "
+          f"({time.time() - start:.0f} s so far) ===", flush=True)
     rows = {"public_only": _public_row(out, rows), **rows}
     summary = _report(out, rows, time.time() - start)
     return summary

@@ -34,9 +34,13 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see recipe_utils.py)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import recipe_utils as ru  # noqa: E402  (sibling module)
+import recipe_checks as checks  # noqa: E402  (sibling modules)
+import recipe_report  # noqa: E402
+import recipe_utils as ru  # noqa: E402
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
 
@@ -66,7 +70,7 @@ class LMArguments:
         "help": "Share of the training documents used as PUBLIC data (non-private pre-training, and the "
                 "tokenizer if one is trained); DP fine-tuning uses the disjoint rest. Default: 0.5 for a tiny "
                 "config, 0 otherwise."})
-    public_epochs: float = field(default=3, metadata={"help": "Epochs of the non-private public pre-training."})
+    public_epochs: float = field(default=15, metadata={"help": "Epochs of the non-private public pre-training."})
     public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
     public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
     public_model_dir: str | None = field(default=None, metadata={
@@ -74,6 +78,9 @@ class LMArguments:
     analyze_representations: bool = field(default=False, metadata={
         "help": "Measure the prediction-residual law (hidden state → next token) on the eval blocks."})
     analysis_max_examples: int | None = field(default=256, metadata={"help": "Analyse at most this many blocks."})
+    sample_prompt: str = field(default="Return the", metadata={
+        "help": "Prompt of the sample the DP model generates (greedy) for the result table; '' for none."})
+    sample_max_new_tokens: int = field(default=24, metadata={"help": "Length of that sample, in tokens."})
     config: str | None = field(default=None, metadata={
         "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
 
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
               (("private", private_docs), ("eval", docs["eval"]), ("public", public_docs)) if d is not None}
     if margs.max_eval_blocks:
         blocks["eval"] = blocks["eval"].select(range(min(margs.max_eval_blocks, len(blocks["eval"]))))
+    plan = checks.check_before_work(model, blocks["private"], targs)  # before any work, before anything is written
+    recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
 
     if public_docs is not None:
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
                          vocab=len(tokenizer))
         path = ru.pretrain_on_public(model, blocks["public"], save_dir=save_dir, training_args=targs,
                                      epochs=margs.public_epochs, learning_rate=margs.public_learning_rate,
-                                     batch_size=margs.public_batch_size, signature=signature, log=logger.warning)
+                                     batch_size=margs.public_batch_size, signature=signature, log=logger.info)
         model = type(model).from_pretrained(path)
 
     callbacks = []
@@ -131,16 +140,36 @@ def main(argv: list[str] | None = None) -> dict:
         analysis_data=f"{len(blocks['eval'])} blocks of the '{margs.eval_split}' split (not trained on)",
     )
     result = trainer.train()
-    return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity)
+    return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
+                         extra_rows=lambda t: _sample(t, margs))
 
 
 def _perplexity(metrics: dict) -> dict:
     return {"eval_perplexity": math.exp(metrics["eval_loss"])} if "eval_loss" in metrics else {}
 
 
+def _sample(trainer, margs: LMArguments) -> dict:
+    """A greedy continuation of `--sample_prompt` by the DP model, for the result table."""
+    import torch
+
+    if not margs.sample_prompt or margs.sample_max_new_tokens < 1:
+        return {}
+    tok, model = trainer.processing_class, trainer.model
+    inputs = tok(margs.sample_prompt, return_tensors="pt").to(model.device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=margs.sample_max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    model.train(was_training)
+    text = tok.decode(out[0], skip_special_tokens=True)
+    return {"sample (greedy, DP model)": repr(text)}
+
+
 # ---- data ------------------------------------------------------------------------------------------------------
 def load_documents(margs: LMArguments):
-    """{"train", "eval"} datasets with one document per row in `text`."""
+    """{"train", "eval"} datasets with one document per row in `text`, each distinct text once across both (see
+    `unique_documents`): the public / private split of "train" is then disjoint by content, not only by row."""
     import datasets
 
     if margs.dataset_name == STDLIB:
@@ -148,8 +177,9 @@ def load_documents(margs: LMArguments):
 
         paragraphs = [p for p in stdlib_text().split("\n\n") if p.strip()]
         n_eval = len(paragraphs) // 10
-        return {"train": datasets.Dataset.from_dict({"text": paragraphs[:-n_eval]}),
-                "eval": datasets.Dataset.from_dict({"text": paragraphs[-n_eval:]})}
+        train, evals = unique_documents(paragraphs[:-n_eval], paragraphs[-n_eval:])
+        return {"train": datasets.Dataset.from_dict({"text": train}),
+                "eval": datasets.Dataset.from_dict({"text": evals})}
     raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
     out = {}
     splits = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
@@ -157,7 +187,34 @@ def load_documents(margs: LMArguments):
         if margs.text_column != "text":
             ds = ds.rename_column(margs.text_column, "text")
         out[key] = ds.filter(lambda t: bool(t.strip()), input_columns="text")
-    return out
+    keep_train, keep_eval = unique_documents(out["train"]["text"], out["eval"]["text"], indices=True)
+    return {"train": out["train"].select(keep_train), "eval": out["eval"].select(keep_eval)}
+
+
+def unique_documents(train: list[str], evals: list[str], indices: bool = False):
+    """Each distinct document (compared with whitespace normalised) once: its first copy in the eval split, else its
+    first copy in the training split. Repeated paragraphs (an inherited docstring, a boilerplate line) would otherwise
+    land on both sides of the public / private split, twice in the private set (one unit of privacy counted twice),
+    or in train and eval. Returns the kept (train, eval) texts, or their indices with `indices=True`."""
+    seen: set[str] = set()
+
+    def keep(texts):
+        out = []
+        for i, text in enumerate(texts):
+            key = " ".join(text.split())
+            if key not in seen:
+                seen.add(key)
+                out.append(i)
+        return out
+
+    keep_eval = keep(evals)
+    keep_train = keep(train)
+    dropped = len(train) - len(keep_train) + len(evals) - len(keep_eval)
+    if dropped:
+        logger.info("%d repeated documents dropped (each distinct text kept once, eval copies first)", dropped)
+    if indices:
+        return keep_train, keep_eval
+    return [train[i] for i in keep_train], [evals[i] for i in keep_eval]
 
 
 def to_blocks(docs, tokenizer, margs: LMArguments):

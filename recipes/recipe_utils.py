@@ -1,6 +1,7 @@
 """What the recipes share: argument parsing with `--config file.yaml`, models by Hub name / local path / tiny
 config name, offline-safe metrics, the public → private split with non-private public pre-training, and the end
-of a run (evaluate, save, model card, push).
+of a run (evaluate, save, model card, push, result table). What is checked before any work: `recipe_checks.py`;
+what is shown during and after a run: `recipe_report.py`.
 
 The recipes import this file as a sibling module (`accelerate launch recipes/x.py` puts `recipes/` on sys.path).
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
+import recipe_report
 from hf_dp_repr import tiny
 
 logger = logging.getLogger("hf_dp_repr.recipes")
@@ -27,6 +29,9 @@ HERE = Path(__file__).resolve().parent
 TINY_MODELS = {name: getattr(tiny, name) for name in
                ("tiny_vit", "tiny_gpt2", "tiny_gpt2_classifier", "tiny_bert_classifier", "tiny_llama")}
 PUBLIC_PRETRAINING_FILE = "public_pretraining.json"
+# Each recipe sets OMP_WAIT_POLICY=PASSIVE (unless set) before torch is imported: on a shared CPU machine, OpenMP
+# threads that spin at barriers while other processes hold the cores made a MiniLM forward pass 8-12x slower
+# (2 shared cores, load 2-4: 133 s instead of 11 s for 1147 paragraphs); passive threads sleep instead.
 RUN_INFO_FILE = "run_info.json"
 
 
@@ -37,13 +42,8 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
     `--config file.yaml` (a flat mapping of argument names to values) is expanded in place, before the other
     command-line arguments, so anything given on the command line overrides the file.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
     _cpu_processes_use_gloo()
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, rest = pre.parse_known_args(argv)
-    if known.config:
-        rest = yaml_to_argv(known.config) + rest
+    config, rest = expand_argv(argv)
     parser = HfArgumentParser(dataclass_types)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
@@ -51,8 +51,22 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
     out = parser.parse_args_into_dataclasses(args=rest)
     for obj in out:
         if hasattr(obj, "config"):
-            obj.config = known.config
+            obj.config = config
     return out
+
+
+def expand_argv(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
+    """(the --config file or None, the arguments with the file's expanded in front of the command line's)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    return known.config, (yaml_to_argv(known.config) + rest if known.config else rest)
+
+
+def given_options(argv: list[str] | None = None) -> set[str]:
+    """Names of the options set on the command line or in the --config file (so a recipe can tell a default apart)."""
+    return {a[2:].split("=", 1)[0] for a in expand_argv(argv)[1] if a.startswith("--")}
 
 
 def _cpu_processes_use_gloo() -> None:
@@ -126,15 +140,6 @@ def first_column(columns, candidates, flag: str) -> str:
     raise ValueError(f"none of the columns {columns} is one of {candidates}; name it with {flag}.")
 
 
-def class_names(train, label_col: str) -> tuple[int, dict[int, str]]:
-    """(number of classes, id2label) from a ClassLabel feature, else from the largest label."""
-    names = getattr(train.features.get(label_col), "names", None)
-    if names:
-        return len(names), dict(enumerate(names))
-    n = int(max(train[label_col])) + 1
-    return n, {i: str(i) for i in range(n)}
-
-
 def accuracy_metrics():
     """`compute_metrics` for a classifier's Trainer: accuracy through `evaluate` (offline-safe)."""
     import numpy as np
@@ -173,28 +178,40 @@ def pretrain_on_public(model, public, *, save_dir: str, training_args, epochs: f
     if reuse:
         log(f"public pre-training: reusing {save_dir} (same model, data, split and schedule)")
         return save_dir
+    log(f"public pre-training: {len(public)} public examples, {epochs:g} epochs, non-private → {save_dir}")
     args = TrainingArguments(
         output_dir=save_dir, per_device_train_batch_size=batch_size, num_train_epochs=epochs,
         learning_rate=learning_rate, seed=training_args.seed, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, use_cpu=training_args.use_cpu,
+        logging_strategy="epoch", disable_tqdm=True, use_cpu=training_args.use_cpu,
         remove_unused_columns=training_args.remove_unused_columns, dataloader_drop_last=False,
+        # the same precision as the DP run: accelerate's state is set once per process and refuses a change
+        fp16=training_args.fp16, bf16=training_args.bf16,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=public, data_collator=data_collator)
+    trainer = Trainer(model=model, args=args, train_dataset=public, data_collator=data_collator,
+                      callbacks=[recipe_report.ProgressLines("public pre-training", epochs, log=log)])
+    trainer.remove_callback(_printer_callback())  # the progress lines say it; no dict per epoch
     result = trainer.train()
     if state.is_main_process:
         model.save_pretrained(save_dir)
         marker.write_text(json.dumps({"signature": signature, "examples": len(public),
                                       "train_loss": result.training_loss}, indent=2))
     state.wait_for_everyone()
-    log(f"public pre-training: {len(public)} public examples, {epochs} epochs, non-private → {save_dir}")
     return save_dir
 
 
-# ---- the end of a run ------------------------------------------------------------------------------------------
-def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_metrics=None) -> dict:
-    """Evaluate, write all_results.json, save the model (weights + ledger + DP card), push if `push`.
+def _printer_callback():
+    from transformers import PrinterCallback
 
-    `extra_metrics(metrics) -> dict` adds derived metrics (e.g. perplexity from the eval loss)."""
+    return PrinterCallback
+
+
+# ---- the end of a run ------------------------------------------------------------------------------------------
+def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_metrics=None, extra_rows=None) -> dict:
+    """Evaluate, write all_results.json, save the model (weights + ledger + DP card), push if `push`, and print a
+    short result table (main process).
+
+    `extra_metrics(metrics) -> dict` adds derived metrics (e.g. perplexity from the eval loss); `extra_rows(trainer)
+    -> dict` adds rows to the printed table (e.g. a sample generated by the DP model)."""
     metrics = dict(train_result.metrics)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
@@ -209,6 +226,10 @@ def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_m
         from hf_dp_repr.hub import push_dp_model
 
         push_dp_model(trainer)
+    if trainer.is_world_process_zero():
+        extra = extra_rows(trainer) if callable(extra_rows) else None
+        table = recipe_report.result_table(metrics, trainer.ledger, getattr(model_args, "eval_split", "eval"), extra)
+        print(f"\n{table}\n(output: {trainer.args.output_dir})", flush=True)
     return metrics
 
 
@@ -220,7 +241,9 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     from transformers import set_seed
 
     margs, targs = parse_args(dataclass_types, argv)
+    margs.given_options = given_options(argv)  # read by recipe_report.default_logging
     setup_logging(targs)
+    _one_thread_for_tiny_models(getattr(margs, "model_name_or_path", ""))
     if targs.push_to_hub:  # login and write access now, not after training
         from hf_dp_repr.hub import check_hub_access
 
@@ -230,7 +253,28 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     return margs, targs, push
 
 
+def _one_thread_for_tiny_models(model_name: str) -> None:
+    """A tiny model on CPU gains nothing from intra-op threads, and on a busy machine OpenMP threads spinning at
+    barriers made each step up to 10× slower (measured, 2 shared cores): use one, unless OMP_NUM_THREADS says."""
+    import torch
+
+    if is_tiny(model_name) and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def setup_logging(training_args) -> None:
-    level = logging.INFO if training_args.should_log else logging.WARNING
+    """INFO on the main process; on the others only errors (transformers' and ours, and Python warnings), so that
+    with several processes every log line, plan table and warning appears once."""
+    import transformers
+
+    main = training_args.should_log
+    level = logging.INFO if main else logging.ERROR
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=level)
+    for name in ("", "hf_dp_repr"):
+        logging.getLogger(name).setLevel(level)
+    if not main:
+        if training_args.log_level_replica == "warning":  # the Trainer sets transformers' verbosity from it
+            training_args.log_level_replica = "error"
+        transformers.utils.logging.set_verbosity_error()
+        logging.captureWarnings(True)  # Python warnings become log records of "py.warnings": dropped here
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

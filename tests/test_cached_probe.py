@@ -49,9 +49,23 @@ def test_probe_falls_back_without_cache_when_caching_would_change_the_updates(di
         trainer = probe(transformed, tmp_path / "aug")
     assert trainer._cached_head is None and "transform" in cl.out
 
-    with CaptureLogger(logger) as cl:
-        trainer = probe(digits["train"].select(range(300)), tmp_path / "drop", model=tiny_vit(attention_probs_dropout_prob=0.3))
-    assert trainer._cached_head is None and "dropout" in cl.out
+
+
+def test_probe_with_dropout_runs_the_frozen_backbone_in_eval_mode_and_caches(digits, tmp_path):
+    """A frozen backbone is not trained: its dropout would only make the features random (MiniLM's DP probe never
+    cached for that reason). It runs in eval mode, cached or not, and the head keeps train mode."""
+    data = digits["train"].select(range(300))
+    cached = probe(data, tmp_path / "c", model=tiny_vit(attention_probs_dropout_prob=0.3))
+    assert cached._cached_head == "classifier"
+    modes = []
+    model = tiny_vit(attention_probs_dropout_prob=0.3)
+    model.vit.layers[0].attention.register_forward_pre_hook(lambda m, a: modes.append(("backbone", m.training)))
+    model.classifier.register_forward_pre_hook(lambda m, a: modes.append(("head", m.training)))
+    plain = probe(data, tmp_path / "p", model=model, cache_features=False)
+    assert plain._cached_head is None
+    assert ("backbone", True) not in modes and ("head", True) in modes  # eval-mode evaluation adds ("head", False)
+    for (name, a), b in zip(cached.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)  # the same updates
 
 
 def test_cache_features_true_refuses_a_head_it_cannot_cache(token_dataset, tmp_path):

@@ -135,7 +135,7 @@ def test_recipe_push_sends_the_dp_run(image_run, monkeypatch):
     assert "train_loss" not in json.loads(hub.files["all_results.json"])
 
 
-def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path):
+def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     metrics = lm_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-5",
@@ -152,16 +152,43 @@ def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path):
     assert out.shape[1] > 1
     card = (tmp_path / "README.md").read_text()
     assert "to train the tokenizer" in card and "one block is one unit of privacy" in card
+    printed = capsys.readouterr().out  # the result table, with a sample from the DP model
+    assert "| test perplexity" in printed and "| ε spent" in printed and "| DP steps  " in printed
+    assert "| sample (greedy, DP model) | 'Return the" in printed
     assert json.loads((tmp_path / "representation_law.json").read_text())["analyses"][-1]["residual_law"]
 
 
-def test_causal_lm_public_and_private_documents_are_disjoint():
+def test_causal_lm_public_private_and_eval_documents_are_disjoint_by_content():
+    """Not only by row: a paragraph repeated in the stdlib (87 of 1166 private paragraphs were verbatim copies of
+    public ones) is kept once, so no private text is also public or held out, and none is counted twice."""
     from dp_causal_lm import LMArguments, load_documents
 
     docs = load_documents(LMArguments())
     public, private = ru.split_public_private(docs["train"], 0.5, seed=0)
     assert len(public) + len(private) == len(docs["train"])
     assert sorted(list(public["text"]) + list(private["text"])) == sorted(docs["train"]["text"])  # a partition
+
+    def norm(texts):
+        return [" ".join(t.split()) for t in texts]
+
+    pub, priv, held = norm(public["text"]), norm(private["text"]), norm(docs["eval"]["text"])
+    assert len(set(priv)) == len(priv) and len(set(pub)) == len(pub) and len(set(held)) == len(held)
+    assert not set(priv) & set(pub) and not set(priv) & set(held) and not set(pub) & set(held)
+    from hf_dp_repr.analysis.corpus import stdlib_text
+
+    raw = {" ".join(p.split()) for p in stdlib_text().split("\n\n") if p.strip()}
+    assert set(pub) | set(priv) | set(held) == raw  # every distinct paragraph is still there, once
+
+
+def test_documents_of_a_saved_dataset_are_deduplicated_across_splits(tmp_path):
+    import datasets
+
+    from dp_causal_lm import LMArguments, load_documents
+
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": ["a b", "c", "a  b", "", "d", "e"]}),
+                         test=datasets.Dataset.from_dict({"text": ["d", "f", "f"]})).save_to_disk(tmp_path / "d")
+    docs = load_documents(LMArguments(dataset_name=str(tmp_path / "d")))
+    assert docs["train"]["text"] == ["a b", "c", "e"] and docs["eval"]["text"] == ["d", "f"]
 
 
 def test_image_recipe_on_an_npz_of_rgb_images(tmp_path):
@@ -174,7 +201,7 @@ def test_image_recipe_on_an_npz_of_rgb_images(tmp_path):
              y_train=np.arange(60) % 3, x_test=rng.integers(0, 255, (12, 32, 32, 3), dtype=np.uint8),
              y_test=np.arange(12) % 3)
     metrics = image_recipe.main(["--dataset_name", str(tmp_path / "imgs.npz"), "--output_dir", str(tmp_path / "o"),
-                                 "--public_fraction", "0", "--max_train_samples_per_class", "10",
+                                 "--num_labels", "3", "--public_fraction", "0", "--max_train_samples_per_class", "10",
                                  "--target_epsilon", "4", "--target_delta", "1e-3", "--max_steps", "2",
                                  "--per_device_train_batch_size", "8", "--save_strategy", "no", "--report_to", "none",
                                  "--disable_tqdm", "true"])
@@ -226,7 +253,7 @@ def test_text_recipe_fine_tunes_the_real_pretrained_minilm_offline(tmp_path, cap
     assert not torch.equal(tuned["bert.encoder.layer.5.output.dense.weight"],
                            pretrained["encoder.layer.5.output.dense.weight"])
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path)  # plain HF model + tokenizer
-    assert model.config.id2label[0] == "argparse" and model.config.num_labels == 18
+    assert model.config.id2label[0] == "collections" and model.config.num_labels == 16
     assert AutoTokenizer.from_pretrained(tmp_path)("x")["input_ids"][0] == 101  # [CLS]
     card = (tmp_path / "README.md").read_text()
     assert "one docstring paragraph" in card and "last 1 of 6 blocks" in card
@@ -257,3 +284,161 @@ def test_text_recipe_takes_a_local_gpt2_folder_and_a_saved_dataset(tmp_path):
     assert json.loads((tmp_path / "out" / "privacy_ledger.json").read_text())["dataset_size"] == 90
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
     assert model.config.pad_token_id == tok.eos_token_id  # padded positions are skipped when pooling the last token
+
+
+# ---- bad arguments fail before any work, and write nothing ----------------------------------------------------------
+IMAGE_BAD_ARGUMENTS = [
+    (["--trainable_blocks", "100"], "trainable_blocks=100, but ViTForImageClassification has 4 blocks"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: must be >= 1"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be >= 1"),
+    (["--per_device_train_batch_size", "5000"], "exceeds the 1006 training examples"),
+    (["--num_train_epochs", "0"], "--num_train_epochs 0.0 plans no DP step"),
+    (["--gradient_checkpointing", "true"], "use_reentrant"),
+    (["--lp_steps", "0.2", "--trainable_blocks", "1", "--lp_per_device_train_batch_size", "0"],
+     "--lp_per_device_train_batch_size 0"),
+]
+
+
+@pytest.fixture
+def no_pretraining(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("public pre-training started before the arguments were checked")
+
+    monkeypatch.setattr(ru, "pretrain_on_public", refuse)
+
+
+@pytest.mark.parametrize("bad, message", IMAGE_BAD_ARGUMENTS, ids=lambda v: v[0] if isinstance(v, list) else "")
+def test_image_recipe_refuses_bad_arguments_before_public_pretraining(bad, message, tmp_path, no_pretraining):
+    import time
+
+    out = tmp_path / "out"
+    start = time.time()
+    with pytest.raises(ValueError, match=message):
+        image_recipe.main(["--output_dir", str(out), "--target_epsilon", "1", "--target_delta", "1e-5",
+                           "--public_fraction", "0.3", "--report_to", "none", *bad])
+    assert time.time() - start < 60  # seconds, not the minutes of public pre-training (a loaded machine allowed)
+    assert not out.exists()
+
+
+def test_causal_lm_recipe_refuses_a_scope_beyond_its_blocks_before_public_pretraining(tmp_path, no_pretraining):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has 2 blocks"):
+        lm_recipe.main(["--output_dir", str(out), "--target_epsilon", "8", "--trainable_blocks", "3",
+                        "--tokenizer_vocab_size", "300", "--report_to", "none"])
+    with pytest.raises(ValueError, match="exceeds the"):
+        lm_recipe.main(["--output_dir", str(out), "--target_epsilon", "8", "--per_device_train_batch_size", "100000",
+                        "--tokenizer_vocab_size", "300", "--report_to", "none"])
+    assert not out.exists()
+
+
+def test_text_recipe_refuses_a_scope_beyond_minilms_6_blocks_before_training(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="BertForSequenceClassification has 6 blocks"):
+        text_recipe.main(["--output_dir", str(out), "--target_epsilon", "8", "--trainable_blocks", "100",
+                          "--max_train_samples", "64", "--max_eval_samples", "8", "--report_to", "none"])
+    assert not out.exists()
+
+
+def test_fp16_recipe_survives_public_pretraining(tmp_path):
+    """The public pre-training used to run in fp32 and set accelerate's process-wide state, so the DP run's --fp16
+    failed after it; it now runs in the DP run's precision."""
+    metrics = image_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-4",
+                                 "--fp16", "true", "--public_fraction", "0.3", "--public_epochs", "1", "--max_steps",
+                                 "1", "--per_device_train_batch_size", "64", "--max_eval_samples", "64",
+                                 "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"])
+    assert 0 < metrics["epsilon"] <= 8
+
+
+# ---- label sets are declared, not read off the private labels -------------------------------------------------------
+def test_class_names_come_from_the_declaration_and_labels_must_fit_it():
+    import datasets
+
+    import recipe_checks as checks
+
+    plain = datasets.Dataset.from_dict({"label": [0, 1, 1]})
+    with pytest.raises(ValueError, match="not a ClassLabel.*--num_labels"):
+        checks.class_names(plain, "label")
+    assert checks.class_names(plain, "label", num_labels=5) == (5, {i: str(i) for i in range(5)})  # not max + 1
+    assert checks.class_names(plain, "label", model_id2label={"0": "neg", "1": "pos"}) == (2, {0: "neg", 1: "pos"})
+    with pytest.raises(ValueError, match=r"label\(s\) \[7\].*outside the declared 2 classes"):
+        checks.class_names(plain, "label", num_labels=2, others=[datasets.Dataset.from_dict({"label": [7]})])
+    named = plain.cast_column("label", datasets.ClassLabel(names=["a", "b", "c"]))
+    assert checks.class_names(named, "label") == (3, {0: "a", 1: "b", 2: "c"})
+    with pytest.raises(ValueError, match="declares 3 classes"):
+        checks.class_names(named, "label", num_labels=4)
+
+
+def test_npz_classes_are_declared(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = dict(x_train=rng.integers(0, 255, (6, 8, 8, 3), dtype=np.uint8), y_train=np.array([0, 1, 2, 0, 1, 2]),
+                  x_test=rng.integers(0, 255, (2, 8, 8, 3), dtype=np.uint8), y_test=np.array([0, 5]))
+    np.savez(tmp_path / "a.npz", **arrays)
+    argv = ["--dataset_name", str(tmp_path / "a.npz"), "--output_dir", str(tmp_path / "o"), "--target_epsilon", "1",
+            "--public_fraction", "0", "--report_to", "none"]
+    with pytest.raises(ValueError, match="declares no class_names; pass --num_labels"):
+        image_recipe.main(argv)
+    with pytest.raises(ValueError, match=r"y_test holds labels outside 0..2"):
+        image_recipe.main(argv + ["--num_labels", "3"])
+    np.savez(tmp_path / "a.npz", **{**arrays, "y_test": np.array([0, 1]), "class_names": np.array(["r", "g", "b"])})
+    data, _, label_col = image_recipe.load_image_data(image_recipe.ImageArguments(dataset_name=str(tmp_path / "a.npz")),
+                                                      seed=0)
+    assert data["train"].features[label_col].names == ["r", "g", "b"]
+    assert not (tmp_path / "o").exists()
+
+
+# ---- what a run shows ----------------------------------------------------------------------------------------------
+def test_recipes_log_epsilon_about_twenty_times_unless_told(tmp_path):
+    import recipe_report
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1, report_to="none")
+    recipe_report.default_logging(args, planned_steps=264, given=set())
+    assert args.logging_steps == 13
+    args.logging_steps = 7
+    recipe_report.default_logging(args, planned_steps=264, given={"logging_steps"})
+    assert args.logging_steps == 7
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("logging_strategy: epoch\n")
+    assert ru.given_options(["--config", str(cfg), "--seed=3"]) == {"logging_strategy", "seed"}
+
+
+def test_only_the_main_process_logs():
+    """With several processes every line used to appear once per process: the others now log errors only."""
+    import logging
+    from types import SimpleNamespace
+
+    from transformers.utils import logging as hf_logging
+
+    root, ours = logging.getLogger(), logging.getLogger("hf_dp_repr")
+    saved = (root.level, ours.level, hf_logging.get_verbosity())
+    replica = SimpleNamespace(should_log=False, log_level_replica="warning")
+    try:
+        ru.setup_logging(replica)
+        assert replica.log_level_replica == "error"
+        trainer_logger = hf_logging.get_logger("hf_dp_repr.trainer")
+        assert not trainer_logger.isEnabledFor(logging.WARNING)  # the plan table is a warning
+        assert not logging.getLogger("hf_dp_repr.recipes").isEnabledFor(logging.WARNING)
+        assert hf_logging.get_verbosity() == logging.ERROR
+        ru.setup_logging(SimpleNamespace(should_log=True, log_level_replica="warning"))
+        assert trainer_logger.isEnabledFor(logging.WARNING) and logging.getLogger("hf_dp_repr.recipes").isEnabledFor(
+            logging.INFO)
+    finally:
+        logging.captureWarnings(False)
+        root.setLevel(saved[0])
+        ours.setLevel(saved[1])
+        hf_logging.set_verbosity(saved[2])
+
+
+def test_result_table_states_metrics_and_privacy():
+    import recipe_report
+
+    from hf_dp_repr.privacy.accounting import Phase, PrivacyLedger
+
+    ledger = PrivacyLedger(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
+                           dataset_size=1006, poisson_sampling=True, phases=[Phase("train", 1.5, 0.1, 30, 100)],
+                           target_epsilon=8.0, world_size=1)
+    table = recipe_report.result_table({"eval_accuracy": 0.8642, "epsilon": 7.99}, ledger, "test",
+                                       {"sample (greedy, DP model)": "'a | b'"})
+    assert "| test accuracy" in table and "86.4 %" in table and "7.9900 (target 8)" in table
+    assert "| δ" in table and "1e-05" in table and "0 of 30 (σ = 1.500, q = 0.1000" in table
+    assert "'a / b'" in table  # a sample cannot break the table
+    assert "NOT private" in recipe_report.result_table({"epsilon": float("inf")}, ledger, "test")

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-VISION, LANGUAGE = "image-classification", "causal-lm"
-TASKS = (VISION, LANGUAGE)
+VISION, LANGUAGE, TEXT = "image-classification", "causal-lm", "text-classification"
+TASKS = (VISION, LANGUAGE, TEXT)
+LABELLED = (VISION, TEXT)  # measured against a class label per example (D and PR), not against the next token
 
 
 def is_hf_dataset(data: Any) -> bool:

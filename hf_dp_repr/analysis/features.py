@@ -6,8 +6,12 @@ What is read from each hidden state `hidden_states[l]` (l = 0 is the embedding o
     learned vector for every image, so D_0 and PR_0 would be 0/0; under [CLS] pooling layer 0 is therefore
     read as the mean patch embedding (the report's `notes` say so). 4-D maps (B, C, H, W) of conv nets are
     average-pooled. Targets: the class label (D and scalar PR, or one-hot PR with `one_hot_classes`).
-  - language ("causal-lm"): every non-padding position that has a non-padding next token; the target is
-    that next token's id (He & Su 2024). D is not computed: its "classes" would be the whole vocabulary.
+  - language ("causal-lm", decoder-only models): every non-padding position that has a non-padding next token; the
+    target is that next token's id (He & Su 2024). D is not computed: its "classes" would be the whole vocabulary.
+  - text classification ("text-classification", encoders such as BERT/MiniLM): one vector per example, the [CLS]
+    token (position 0) or with `pooling="mean"` the mean of its non-padding tokens; targets: the class label, as
+    for vision. Under [CLS] pooling layer 0 is read as the mean of the tokens after [CLS] (the [CLS] embedding is
+    the same for every example). A bidirectional encoder sees the next token, so it gets no next-token analysis.
 
 Only per-layer sufficient statistics are kept (class counts, means and within-class scatter for D; the
 centred scatter of [x, y] for PR), so memory is O(layers · d²) whatever the number of examples or tokens.
@@ -32,7 +36,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .batches import TASKS, VISION, batch_size_of, detect_task, iter_batches, language_inputs, to_tensor
+from .batches import (LABELLED, TASKS, TEXT, VISION, batch_size_of, detect_task, iter_batches, language_inputs,
+                      to_tensor)
 from .law import fuzziness_law, residual_law
 from .report import RepresentationReport
 from .residual import ResidualStats
@@ -42,6 +47,7 @@ __all__ = ["analyze_representations", "extract_features", "POOLINGS"]
 
 POOLINGS = ("cls", "mean")
 LAYER0_NOTE = "layer 0 ([CLS] of the embedding output is constant) is read as the mean patch embedding"
+TEXT_LAYER0_NOTE = "layer 0 ([CLS] of the embedding output is constant) is read as the mean of the other tokens"
 PROGRESS_MIN_BATCHES = 20  # show a progress bar by default only for runs longer than this
 
 
@@ -64,17 +70,18 @@ def analyze_representations(
             ViTModel, GPT2LMHeadModel).
         dataset: a 🤗 Dataset/IterableDataset with `pixel_values` + `label_column` (vision) or `input_ids`
             [+ `attention_mask`] (language), or any iterable of such batch dicts (a DataLoader).
-        task: "image-classification", "causal-lm", or "auto" (from the columns).
-        pooling: vision only, "cls" or "mean" (patch tokens).
+        task: "image-classification", "causal-lm", "text-classification" (an encoder on labelled text), or "auto"
+            (from the columns: `pixel_values` → vision, `input_ids` → causal-lm).
+        pooling: vision and text classification, "cls" or "mean" (patch / non-padding tokens).
         batch_size: rows per forward pass (ignored for iterables of ready batches).
         max_examples: stop after this many rows.
-        label_column: column holding the class id (vision).
+        label_column: column holding the class id (vision, text classification).
         one_hot_classes: vision only; regress PR on one-hot labels of this many classes instead of the scalar
             label (the seed papers use the scalar label).
         progress: show a tqdm bar; default: only for runs of more than 20 batches.
     """
     if task not in ("auto", *TASKS):
-        raise ValueError(f"`task` must be 'auto', {TASKS[0]!r} or {TASKS[1]!r}, got {task!r}")
+        raise ValueError(f"`task` must be 'auto' or one of {TASKS}, got {task!r}")
     if pooling not in POOLINGS:
         raise ValueError(f"`pooling` must be one of {POOLINGS}, got {pooling!r}")
     sep: list[SeparationStats] = []
@@ -86,8 +93,8 @@ def analyze_representations(
         if len(labels) == 0:  # e.g. a batch of one-token sequences: nothing to predict
             continue
         if not res:
-            res = [ResidualStats(num_classes=one_hot_classes if task == VISION else None) for _ in layers]
-            sep = [SeparationStats() for _ in layers] if task == VISION else []
+            res = [ResidualStats(num_classes=one_hot_classes if task in LABELLED else None) for _ in layers]
+            sep = [SeparationStats() for _ in layers] if task in LABELLED else []
         for stats, feats in zip(res, layers):
             stats.update(feats, labels)
         for stats, feats in zip(sep, layers):
@@ -102,10 +109,10 @@ def analyze_representations(
                       f"≈ 0 says nothing about the layers; analyse more than {dim + 1} examples/tokens")
     residual = [stats.residual() for stats in res]
     fuzziness = [stats.fuzziness() for stats in sep] if sep else None
-    notes = [LAYER0_NOTE] if task == VISION and pooling == "cls" else []
+    notes = [{VISION: LAYER0_NOTE, TEXT: TEXT_LAYER0_NOTE}[task]] if task in LABELLED and pooling == "cls" else []
     return RepresentationReport(
         task=task,
-        pooling=pooling if task == VISION else "tokens",
+        pooling=pooling if task in LABELLED else "tokens",
         num_examples=examples,
         num_positions=positions,
         residual=residual,
@@ -164,6 +171,8 @@ def _stream(model, dataset, task, pooling, batch_size, max_examples, label_colum
                 rows = batch_size_of(batch)
                 if batch_task == VISION:
                     yield batch_task, rows, *_vision(model, batch, device, pooling, label_column, only_layer)
+                elif batch_task == TEXT:
+                    yield batch_task, rows, *_text(model, batch, device, pooling, label_column, only_layer)
                 else:
                     yield batch_task, rows, *_language(model, batch, device, only_layer)
     finally:
@@ -200,6 +209,30 @@ def _pool(h: torch.Tensor, layer: int, pooling: str) -> torch.Tensor:
             raise ValueError(f"hidden state {layer} has a single token; use pooling='cls'")
         return h[:, 1:].mean(dim=1)
     return h[:, 0]
+
+
+def _text(model, batch, device, pooling, label_column, only_layer):
+    if label_column not in batch:
+        raise KeyError(f"text classification needs class ids in column `{label_column}`; got {sorted(batch)} "
+                       "(set `label_column=`)")
+    ids, mask = language_inputs(batch)
+    ids, mask = ids.to(device), mask.to(device)
+    labels = to_tensor(batch[label_column]).to(device).long()
+    hidden = _hidden_states(model, {"input_ids": ids, "attention_mask": mask})
+    indices = range(len(hidden)) if only_layer is None else [range(len(hidden))[only_layer]]
+    return [_pool_text(hidden[i], mask, i, pooling) for i in indices], labels
+
+
+def _pool_text(h: torch.Tensor, mask: torch.Tensor, layer: int, pooling: str) -> torch.Tensor:
+    if pooling == "cls" and layer > 0:
+        return h[:, 0]
+    weights = mask.to(h.dtype).clone()
+    if pooling == "cls":  # layer 0: the [CLS] embedding is constant, read the mean of the tokens after it
+        weights[:, 0] = 0
+    count = weights.sum(dim=1, keepdim=True)
+    if bool((count == 0).any()):
+        raise ValueError(f"hidden state {layer}: an example has no token to average (only [CLS]); drop empty texts")
+    return (h * weights[..., None]).sum(dim=1) / count
 
 
 def _language(model, batch, device, only_layer):

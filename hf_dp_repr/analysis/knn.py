@@ -35,11 +35,14 @@ def knn_predict(
     k: int = 20,
     temperature: float = 0.07,
     chunk_size: int = 1024,
+    num_classes: int | None = None,
 ) -> torch.Tensor:
     """Predicted class id (int64 tensor) per query row; ties between classes go to the smaller class id.
 
     `k` is capped at the memory size; queries are processed `chunk_size` rows at a time, so memory is
-    O(chunk_size · n_memory).
+    O(chunk_size · n_memory). `num_classes`: the declared number of classes (e.g. the dataset's ClassLabel);
+    memory labels outside 0..num_classes-1 are refused. Without it, the vote has max(memory label) + 1 slots
+    (classes absent from the memory get no vote either way, so predictions do not depend on it).
     """
     if k < 1:
         raise ValueError(f"`k` must be ≥ 1, got {k}")
@@ -53,9 +56,12 @@ def knn_predict(
                          f"{memory.shape[1]}; extract both from the same layer")
     if bool((labels < 0).any()):
         raise ValueError("`memory_labels` must be non-negative class ids")
+    if num_classes is not None and int(labels.max()) >= num_classes:
+        raise ValueError(f"`memory_labels` holds class {int(labels.max())}, outside the declared num_classes="
+                         f"{num_classes} (ids 0..{num_classes - 1}); pass the right num_classes")
     memory = torch.nn.functional.normalize(memory, dim=1)
     queries = torch.nn.functional.normalize(queries, dim=1)
-    num_classes = int(labels.max()) + 1
+    num_classes = num_classes if num_classes is not None else int(labels.max()) + 1
     k = min(k, memory.shape[0])
     predictions = []
     for start in range(0, queries.shape[0], chunk_size):
@@ -74,8 +80,10 @@ def knn_probe(
     *,
     k: int = 20,
     temperature: float = 0.07,
+    num_classes: int | None = None,
 ) -> float:
     """Top-1 accuracy of the weighted kNN classifier (see module docstring) on the query set."""
-    predictions = knn_predict(memory_features, memory_labels, query_features, k=k, temperature=temperature)
+    predictions = knn_predict(memory_features, memory_labels, query_features, k=k, temperature=temperature,
+                              num_classes=num_classes)
     truth = as_int_labels(query_labels, predictions.shape[0], "query_labels", device=predictions.device)
     return float((predictions == truth).double().mean())

@@ -15,11 +15,12 @@ class RepresentationReport:
     """What `analyze_representations` measured. Index l = `hidden_states[l]` (0 = embedding output).
 
     Attributes:
-        task: "image-classification" or "causal-lm".
-        pooling: "cls" or "mean" (vision); "tokens" (language: every non-padding position with a next token).
+        task: "image-classification", "causal-lm" or "text-classification" (an encoder on labelled text).
+        pooling: "cls" or "mean" (images, text classification); "tokens" (causal-lm: every non-padding position
+            with a next token).
         num_examples: sequences or images seen.
         num_positions: rows fed to the statistics (= num_examples for vision, predicted tokens for language).
-        fuzziness: D_l per layer (vision only; None for language, whose "classes" would be the vocabulary).
+        fuzziness: D_l per layer (labelled tasks; None for causal-lm, whose "classes" would be the vocabulary).
         residual: PR_l per layer.
         fuzziness_law: fit over layers 0..L; residual_law: fit over layers 1..L (see `law.py`).
         notes: how particular layers were read (e.g. layer 0 under [CLS] pooling).

