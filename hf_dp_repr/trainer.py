@@ -351,15 +351,18 @@ class DPTrainer(Trainer):
         return self._epsilon_cache[1]
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        # A copy: the caller's dict (e.g. the eval metrics a hyperparameter search scores) stays free of ε.
         # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it.
-        logs = {k: v for k, v in logs.items() if k != "grad_norm"}
+        logs.pop("grad_norm", None)
+        privacy = {}
         if self.ledger is not None:
-            logs["epsilon"] = self.epsilon()
+            privacy["epsilon"] = self.epsilon()
             if len(self.ledger.phases) > 1:
-                for name, eps in self.ledger.epsilon_by_phase().items():
-                    logs[f"epsilon_{name}"] = eps
-        super().log(logs, *args, **kwargs)
+                privacy.update({f"epsilon_{name}": eps for name, eps in self.ledger.epsilon_by_phase().items()})
+        logged = {**logs, **privacy}
+        super().log(logged, *args, **kwargs)
+        # What the Trainer adds in place (epoch) reaches the caller; ε does not: eval metrics that a hyperparameter
+        # search scores must stay free of it.
+        logs.update({k: v for k, v in logged.items() if k not in privacy})
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # transformers' own loader misses renamed keys (ViT) with a mere warning: restore exactly, or refuse.
