@@ -70,7 +70,7 @@ def load_stdlib_topics(min_examples_per_class: int = 50, min_chars: int = 40, te
     docstring comes from (`logging`, `inspect`, `doctest`, ...).
 
     Paragraphs shorter than `min_chars` characters are dropped, and so are modules with fewer than
-    `min_examples_per_class` paragraphs (18 modules, about 1,600 paragraphs with the defaults on Python 3.11).
+    `min_examples_per_class` paragraphs (16 modules, about 1,430 paragraphs with the defaults on Python 3.11).
     Each distinct text appears once (`unique_paragraphs`): a paragraph repeated in several docstrings (inherited
     methods, "Base class for arithmetic errors.") would otherwise sit in train and test, or twice in the private
     set. Columns: `text` (str) and `labels` (ClassLabel named by module). The split is stratified and fixed by
