@@ -476,3 +476,18 @@ def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
     assert "[1/4] dp_eps1: public pre-training" in printed and "[4/4] report" in printed
     assert "| public_only | 0 (no private data) |" in printed
     assert (tmp_path / "report" / "laws.png").exists()
+
+
+def test_public_pretraining_prints_progress_lines():
+    from types import SimpleNamespace
+
+    import recipe_report
+
+    lines = []
+    cb = recipe_report.ProgressLines("public pre-training", epochs=40, log=lines.append)
+    args = SimpleNamespace(num_train_epochs=40)
+    for epoch in range(1, 41):
+        cb.on_log(args, None, None, logs={"loss": 1.0 / epoch})
+        cb.on_epoch_end(args, SimpleNamespace(epoch=float(epoch), is_world_process_zero=True), None)
+    assert len(lines) == 8 and lines[0].startswith("public pre-training: epoch 5/40, loss 0.200")
+    assert lines[-1].startswith("public pre-training: epoch 40/40")
