@@ -340,6 +340,16 @@ def test_text_recipe_refuses_a_scope_beyond_minilms_6_blocks_before_training(tmp
     assert not out.exists()
 
 
+def test_bf16_recipe_survives_public_pretraining(tmp_path):
+    """The public pre-training used to run in fp32 and set accelerate's process-wide state, so the DP run's mixed
+    precision (--fp16 then, refused under DP now; --bf16) failed after it; it now runs in the DP run's precision."""
+    metrics = image_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-4",
+                                 "--bf16", "true", "--use_cpu", "true", "--public_fraction", "0.3", "--public_epochs", "1", "--max_steps",
+                                 "1", "--per_device_train_batch_size", "64", "--max_eval_samples", "64",
+                                 "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"])
+    assert 0 < metrics["epsilon"] <= 8
+
+
 # ---- label sets are declared, not read off the private labels -------------------------------------------------------
 def test_class_names_come_from_the_declaration_and_labels_must_fit_it():
     import datasets
