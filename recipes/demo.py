@@ -143,7 +143,12 @@ def _table(rows: dict) -> str:
 
     lines = ["| run | ε spent | test accuracy | ρ fuzziness D_l | ρ residual PR_l |", "|---|---|---|---|---|"]
     for name, r in rows.items():
-        eps = "0 (no private data)" if name == "public_only" else f(r["epsilon"], ".3f")
+        if name == "public_only":
+            eps = "0 (no private data)"
+        elif r["epsilon"] is None and r["noise_multiplier"] == [0]:  # the ledger stores ε = ∞ as null
+            eps = "∞"
+        else:
+            eps = f(r["epsilon"], ".3f")
         lines.append(f"| {name} | {eps} | {f(100 * r['accuracy'], '.1f')} % | {f(r['rho_fuzziness'], '.3f')} | "
                      f"{f(r['rho_residual'], '.3f')} |")
     return "\n".join(lines)

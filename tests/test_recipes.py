@@ -484,7 +484,7 @@ def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
     assert summary["within_acceptance"]
     printed = capsys.readouterr().out
     assert "[1/4] dp_eps1: public pre-training" in printed and "[4/4] report" in printed
-    assert "| public_only | 0 (no private data) |" in printed
+    assert "| public_only | 0 (no private data) |" in printed and "| non_private | ∞ |" in printed
     assert (tmp_path / "report" / "laws.png").exists()
 
 
