@@ -25,20 +25,16 @@ Example (runs in seconds on a CPU):
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import datasets
 import torch
 from opacus.grad_sample import GradSampleHooks
 from torch.utils.data import DataLoader
 from transformers import Trainer, default_data_collator
-from transformers.trainer_utils import HubStrategy, get_last_checkpoint
-from transformers.utils import ModelOutput, PushInProgress
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import ModelOutput
 from transformers.utils import logging
 
 from .cached_head import prepare_cached_head, set_probe_modes
-from .checkpoint import load_checkpoint_weights
 from .config import DPTrainingArguments, check_hub_strategy
 from .plan import plan_run, resume_ledger
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
@@ -50,10 +46,11 @@ from .privacy.sampler import ExampleBatchCollator, PoissonBatchSampler, SamplerE
 from .privacy.validation import check_model_is_privatizable, check_train_dataset
 from .resume import finish_without_training, is_finished
 from .scope import block_stack_name, describe_trainable, phase_scopes
+from .trainer_saving import DPSavingMixin
 
 logger = logging.get_logger(__name__)
 
-class DPTrainer(Trainer):
+class DPTrainer(DPSavingMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`. The training loss logged by the Trainer is computed on private
@@ -363,103 +360,3 @@ class DPTrainer(Trainer):
         # What the Trainer adds in place (epoch) reaches the caller; ε does not: eval metrics that a hyperparameter
         # search scores must stay free of it.
         logs.update({k: v for k, v in logged.items() if k not in privacy})
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        # transformers' own loader misses renamed keys (ViT) with a mere warning: restore exactly, or refuse.
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_checkpoint_weights(self.model, resume_from_checkpoint)
-
-    def _load_best_model(self) -> None:
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return super()._load_best_model()
-        logger.info(f"Loading best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
-        load_checkpoint_weights(self.model, self.state.best_model_checkpoint)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call=_internal_call)
-        self._save_privacy_record(output_dir or self.args.output_dir)
-
-    def save_metrics(self, split, metrics, combined=True) -> None:
-        """As the Trainer's, but without the `train_*` metrics (computed on the private data outside DP-SGD) and as
-        valid JSON (ε = ∞ as null): these files may be pushed."""
-        if self.is_world_process_zero():
-            from .hub import save_public_metrics
-
-            save_public_metrics(self.args.output_dir, split, metrics, combined)
-
-    # ---- Hub: every push goes through hf_dp_repr.hub's allow-list -----------------------------------------------
-    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-        """Check login and write access first (`hf_dp_repr.hub.check_hub_access`), then create the repository."""
-        if self.is_world_process_zero():
-            from .hub import check_hub_access
-
-            check_hub_access(self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir)), token)
-        super().init_hf_repo(token=token, private=private)
-
-    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
-                    revision: str | None = None, private: bool | None = None, **kwargs):
-        """Save, then upload the run through `hf_dp_repr.hub.push_dp_model`: an allow-list of files (weights,
-        metrics, representation laws, privacy ledger, the DP model card), never checkpoints or training_args.bin."""
-        from .hub import push_dp_model
-
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        self.save_model(_internal_call=True)
-        self._finish_current_push()
-        return push_dp_model(self, self.hub_model_id or self.args.hub_model_id, commit_message=commit_message,
-                             revision=revision or self.args.hub_revision, token=token, private=private,
-                             run_as_future=not blocking)
-
-    def create_model_card(self, *args, **kwargs):
-        """The DP model card (ε, δ, σ, scope, ...), never the Trainer's generic one, which would overwrite it."""
-        if self.ledger is None:
-            return super().create_model_card(*args, **kwargs)
-        if self.is_world_process_zero():
-            from .model_card import write_model_card
-
-            write_model_card(self, self.args.output_dir)
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """A push during training (hub_strategy 'every_save'): the checkpoint's allow-listed files (weights, ledger,
-        DP card) are copied to output_dir and pushed from there through the allow-list, never the checkpoint's
-        trainer_state.json, optimizer / RNG state or training_args.bin (the Trainer's own push sends them)."""
-        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
-            return
-        check_hub_strategy(self.args)
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
-            return
-        from .hub import files_to_push, upload_run
-
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        out = self.args.output_dir
-        for name in files_to_push(checkpoint_folder):
-            shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(out, name))
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(out)
-        job = upload_run(out, self.hub_model_id, commit_message=f"Training in progress, step {self.state.global_step}",
-                         revision=self.args.hub_revision, run_as_future=True)
-        if self.push_in_progress is None or self.push_in_progress.is_done():
-            self.push_in_progress = PushInProgress([job])
-        else:
-            self.push_in_progress.jobs.append(job)
-
-    def save_merged_model(self, output_dir: str | None = None) -> None:
-        """For a LoRA (PEFT) model: save the base weights with the adapters merged in, as a plain HF model
-        (`save_model` saves the adapters alone), plus the privacy ledger and model card."""
-        from .lora import save_merged_model
-
-        output_dir = output_dir or self.args.output_dir
-        if self.args.should_save:
-            save_merged_model(self.model, output_dir)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-        self._save_privacy_record(output_dir)
-
-    def _save_privacy_record(self, output_dir: str) -> None:
-        """The ledger and the model card that states the guarantee go next to every saved model."""
-        if self.ledger is None or not self.args.should_save:
-            return
-        self.ledger.save(output_dir)
-        from .model_card import write_model_card
-
-        write_model_card(self, output_dir)
