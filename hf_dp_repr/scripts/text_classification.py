@@ -35,18 +35,14 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see recipe_utils.py)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import recipe_checks as checks  # noqa: E402  (sibling modules)
-import recipe_report  # noqa: E402
-import recipe_utils as ru  # noqa: E402
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp_repr.scripts import checks  # noqa: E402
+from hf_dp_repr.scripts import report as recipe_report  # noqa: E402
+from hf_dp_repr.scripts import utils as ru  # noqa: E402
 from hf_dp_repr.data import MINILM, resolve_model_path  # noqa: E402,F401  (shared with `hf-dp-repr analyze`)
 
 logger = logging.getLogger("hf_dp_repr.recipes.text")

@@ -17,14 +17,12 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see recipe_utils.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/ (configs)
 
 RUNS = {  # name → the only arguments that differ between the three runs
     "dp_eps1": ["--target_epsilon", "1"],
@@ -37,7 +35,7 @@ ACCEPTANCE_POINTS = 5.0  # DP ε = 1 accuracy should be within this many points 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="demo_out")
-    parser.add_argument("--config", default=str(HERE / "configs" / "demo_digits.yaml"))
+    parser.add_argument("--config", default=str(RECIPES / "configs" / "demo_digits.yaml"))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: the tiny ViT gains nothing from more, and on a busy "
                              "machine OpenMP threads spinning at barriers made each step several times slower)")
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     torch.set_num_threads(opts.threads)
-    import dp_image_classification as recipe
+    from hf_dp_repr.scripts import image_classification as recipe
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_warning()

@@ -3,7 +3,7 @@ config name, offline-safe metrics, the public → private split with non-private
 of a run (evaluate, save, model card, push, result table). What is checked before any work: `recipe_checks.py`;
 what is shown during and after a run: `recipe_report.py`.
 
-The recipes import this file as a sibling module (`accelerate launch recipes/x.py` puts `recipes/` on sys.path).
+The recipes (`recipes/*.py`, `hf-dp-repr train ...`) import it from the package: `from hf_dp_repr.scripts import utils`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import yaml
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
-import recipe_report
 from hf_dp_repr import tiny
+from hf_dp_repr.scripts import report as recipe_report
 
 logger = logging.getLogger("hf_dp_repr.recipes")
 HERE = Path(__file__).resolve().parent
@@ -109,7 +109,7 @@ def load_metric(name: str = "accuracy"):
         if not local.exists():
             raise
         logger.warning("evaluate.load(%r) failed (%s: no Hub access?); using the bundled %s", name,
-                       type(err).__name__, local.relative_to(HERE.parent))
+                       type(err).__name__, local.name)
         return evaluate.load(str(local))
 
 
