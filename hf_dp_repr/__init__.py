@@ -3,7 +3,11 @@
 __version__ = "0.1.0"
 
 from .config import DPTrainingArguments  # noqa: E402
+from .errors import (CheckpointMismatchError, DPConfigError, HfDpReprError, HubAccessError,  # noqa: E402
+                     NotPrivatizableError, OutOfReachError, PrivacyBudgetExhaustedError, ScopeError)
 from .privacy.accounting import PrivacyLedger, calibrate_noise_multiplier, compute_epsilon  # noqa: E402
 from .trainer import DPTrainer  # noqa: E402
 
-__all__ = ["DPTrainer", "DPTrainingArguments", "PrivacyLedger", "calibrate_noise_multiplier", "compute_epsilon"]
+__all__ = ["DPTrainer", "DPTrainingArguments", "PrivacyLedger", "calibrate_noise_multiplier", "compute_epsilon",
+           "HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
+           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError"]

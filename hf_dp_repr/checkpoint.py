@@ -18,12 +18,10 @@ import os
 import torch
 from torch import nn
 
+from .errors import CheckpointMismatchError  # noqa: F401  (defined in errors.py, importable from here as before)
+
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-
-
-class CheckpointMismatchError(RuntimeError):
-    """The checkpoint's tensors do not fill the model exactly: resuming would train from other weights."""
 
 
 def load_checkpoint_weights(model: nn.Module, checkpoint: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .errors import DPConfigError
 from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from .privacy.optimizer import CLIPPING_MODES
 
@@ -158,69 +159,69 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
     """Check the DP fields; each error names the argument and what to do instead."""
     eps, sigma = args.target_epsilon, args.noise_multiplier
     if eps is not None and sigma is not None:
-        raise ValueError(
+        raise DPConfigError(
             "DPTrainingArguments: both target_epsilon and noise_multiplier are set. Give target_epsilon to have "
             "σ calibrated, or noise_multiplier to fix σ, not both."
         )
     if eps is None and sigma is None:
-        raise ValueError(
+        raise DPConfigError(
             "DPTrainingArguments: neither target_epsilon nor noise_multiplier is set. Give target_epsilon "
             "(e.g. 8.0) for a private run; for an explicitly non-private reference set noise_multiplier=0."
         )
     if eps is not None and (problem := target_epsilon_problem(eps)):
-        raise ValueError(f"DPTrainingArguments: {problem}")
+        raise DPConfigError(f"DPTrainingArguments: {problem}")
     if sigma is not None and not (sigma >= 0 and math.isfinite(sigma)):
-        raise ValueError(f"DPTrainingArguments: noise_multiplier must be >= 0 and finite, got {sigma}.")
+        raise DPConfigError(f"DPTrainingArguments: noise_multiplier must be >= 0 and finite, got {sigma}.")
     if not 0 < args.target_delta < 1:
-        raise ValueError(
+        raise DPConfigError(
             f"DPTrainingArguments: target_delta must be in (0, 1), got {args.target_delta}; a common choice is "
             "1/(10·n) for n training examples."
         )
     if not args.per_sample_max_grad_norm > 0:
-        raise ValueError(
+        raise DPConfigError(
             f"DPTrainingArguments: per_sample_max_grad_norm must be > 0, got {args.per_sample_max_grad_norm}."
         )
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "lp_per_device_train_batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise ValueError(f"DPTrainingArguments: {name}={value} must be >= 1: the logical batch (per-device "
+            raise DPConfigError(f"DPTrainingArguments: {name}={value} must be >= 1: the logical batch (per-device "
                              "batch × gradient_accumulation_steps × processes) sets the sampling rate q = batch / n.")
     try:
         check_accountant(args.accountant, args.neighboring)
     except ValueError as err:
-        raise ValueError(f"DPTrainingArguments: {err}") from None
+        raise DPConfigError(f"DPTrainingArguments: {err}") from None
     if args.clipping not in CLIPPING_MODES:
-        raise ValueError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of {CLIPPING_MODES}.")
+        raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of {CLIPPING_MODES}.")
     if args.max_grad_norm:
-        raise ValueError(
+        raise DPConfigError(
             f"DPTrainingArguments: max_grad_norm={args.max_grad_norm} would clip the summed, non-private gradient "
             "and log its norm. Leave it at 0 and set per_sample_max_grad_norm for per-example clipping."
         )
     if args.trainable_blocks is not None and args.trainable_blocks < 0:
-        raise ValueError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
+        raise DPConfigError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
     _validate_lp_fields(args)
     if args.hub_token:
-        raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
+        raise DPConfigError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
     if args.noise_seed is not None and args.secure_mode:
-        raise ValueError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
+        raise DPConfigError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
                          "unguessable; drop one of them.")
     if args.ignore_data_skip:
-        raise ValueError(
+        raise DPConfigError(
             "DPTrainingArguments: ignore_data_skip=True would replay the epoch's batch draws on resume while the "
             "accountant counts fresh ones (and mix up the phases' sample rates). Leave it False: the skipped "
             "batches are index draws only."
         )
     if args.fp16:
-        raise ValueError(
+        raise DPConfigError(
             "DPTrainingArguments: fp16=True is refused under DP: the Trainer's GradScaler multiplies the loss, hence "
             "every per-example gradient, by its loss scale before clipping, so per_sample_max_grad_norm would clip the "
             "scaled gradients (and on a CPU fp16 is ignored). Use bf16=True (no loss scaling) or full precision."
         )
     check_hub_strategy(args)
     if args.auto_find_batch_size:
-        raise ValueError(
+        raise DPConfigError(
             "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "
             "accounting. Set per_device_train_batch_size and gradient_accumulation_steps yourself."
         )
@@ -231,7 +232,7 @@ def _validate_activation_checkpointing(args: DPTrainingArguments) -> None:
     capture no activations ("no per-sample gradient"); the reentrant variant gives exact per-sample gradients."""
     kwargs = args.activation_checkpointing_kwargs or {}
     if args.activation_checkpointing and kwargs.get("use_reentrant") is not True:
-        raise ValueError(
+        raise DPConfigError(
             "DPTrainingArguments: gradient_checkpointing needs gradient_checkpointing_kwargs={'use_reentrant': True} "
             "under DP-SGD (the non-reentrant default hides activations from the per-sample gradient hooks). "
             "Set it, or turn gradient_checkpointing off."
@@ -242,7 +243,7 @@ def check_hub_strategy(args: TrainingArguments) -> None:
     """Refuse the hub strategies that push resumable checkpoints (also called by DPTrainer, after set_push_to_hub)."""
     strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
     if args.push_to_hub and strategy in RESUMABLE_HUB_STRATEGIES:
-        raise ValueError(
+        raise DPConfigError(
             f"DPTrainingArguments: hub_strategy={strategy!r} pushes resumable checkpoints: trainer_state.json (the "
             "loss of every logged step, computed on the private data), optimizer and RNG state and training_args.bin, "
             "none of which the DP guarantee covers. Use hub_strategy='every_save' (weights, ledger and DP card at each "
@@ -253,29 +254,29 @@ def check_hub_strategy(args: TrainingArguments) -> None:
 
 def _validate_lp_fields(args: DPTrainingArguments) -> None:
     if args.lp_steps < 0:
-        raise ValueError(f"DPTrainingArguments: lp_steps={args.lp_steps} must be >= 0 (0 = no linear-probing phase).")
+        raise DPConfigError(f"DPTrainingArguments: lp_steps={args.lp_steps} must be >= 0 (0 = no linear-probing phase).")
     if not args.lp_steps:
         extra = [n for n in ("lp_epsilon_fraction", "lp_per_device_train_batch_size", "lp_learning_rate")
                  if getattr(args, n) is not None]
         if extra:
-            raise ValueError(f"DPTrainingArguments: {', '.join(extra)} set but lp_steps=0: there is no linear-probing "
+            raise DPConfigError(f"DPTrainingArguments: {', '.join(extra)} set but lp_steps=0: there is no linear-probing "
                              "phase. Set lp_steps (e.g. 0.2 for the first 20 % of the steps) or drop them.")
         return
     if args.trainable_blocks == 0:
-        raise ValueError("DPTrainingArguments: lp_steps with trainable_blocks=0 would linear-probe twice. Set "
+        raise DPConfigError("DPTrainingArguments: lp_steps with trainable_blocks=0 would linear-probe twice. Set "
                          "trainable_blocks to the fine-tuning scope (None = all) or drop lp_steps.")
     if args.lp_steps >= 1 and args.lp_steps != int(args.lp_steps):
-        raise ValueError(f"DPTrainingArguments: lp_steps={args.lp_steps}: a number of steps must be whole "
+        raise DPConfigError(f"DPTrainingArguments: lp_steps={args.lp_steps}: a number of steps must be whole "
                          "(or < 1 for a fraction of the planned steps).")
     frac = args.lp_epsilon_fraction
     if frac is not None and not 0 < frac < 1:
-        raise ValueError(f"DPTrainingArguments: lp_epsilon_fraction={frac} must be in (0, 1).")
+        raise DPConfigError(f"DPTrainingArguments: lp_epsilon_fraction={frac} must be in (0, 1).")
     if frac is not None and args.target_epsilon is None:
-        raise ValueError("DPTrainingArguments: lp_epsilon_fraction splits target_epsilon; set target_epsilon "
+        raise DPConfigError("DPTrainingArguments: lp_epsilon_fraction splits target_epsilon; set target_epsilon "
                          "(or drop lp_epsilon_fraction to use noise_multiplier in both phases).")
     if args.clipping == "per_layer":
-        raise ValueError("DPTrainingArguments: clipping='per_layer' splits C over a fixed set of tensors, which "
+        raise DPConfigError("DPTrainingArguments: clipping='per_layer' splits C over a fixed set of tensors, which "
                          "changes between the linear-probe and fine-tune phases. Use clipping='flat' or 'automatic'.")
     if args.lp_per_device_train_batch_size is not None and not args.poisson_sampling:
-        raise ValueError("DPTrainingArguments: lp_per_device_train_batch_size needs poisson_sampling=True "
+        raise DPConfigError("DPTrainingArguments: lp_per_device_train_batch_size needs poisson_sampling=True "
                          "(fixed-size shuffled batches cannot change size mid-run).")

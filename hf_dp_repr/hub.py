@@ -39,6 +39,7 @@ import math
 import os
 from pathlib import Path
 
+from .errors import HubAccessError  # noqa: F401  (defined in errors.py, importable from here as before)
 from .model_card import CARD_FILE, write_model_card
 from .privacy.accounting import LEDGER_FILE
 
@@ -60,10 +61,6 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
 PUSH_LATER = "a finished run can be pushed later with `hf-dp-repr push OUTPUT_DIR --hub_model_id me/name`"
 LOGIN_HINT = ("log in with `hf auth login` or set HF_TOKEN to a token with write access "
               "(https://huggingface.co/settings/tokens)")
-
-
-class HubAccessError(RuntimeError):
-    """Not logged in, offline, or no write access to the repository: raised before anything is written or sent."""
 
 
 def files_to_push(folder: str | os.PathLike) -> list[str]:

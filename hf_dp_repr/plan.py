@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from .config import DPTrainingArguments
+from .errors import DPConfigError
 from .privacy.accounting import Phase, PrivacyLedger, calibrate_last_phase, calibrate_noise_multiplier
 
 # Ledger fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
@@ -28,7 +29,7 @@ def logical_batch(args: DPTrainingArguments, per_device: int, n: int) -> int:
     """Examples per DP step: per-device batch × gradient accumulation × processes (at most `n`)."""
     batch = per_device * args.gradient_accumulation_steps * args.world_size
     if batch > n:
-        raise ValueError(
+        raise DPConfigError(
             f"DPTrainer: the logical batch (per-device batch × gradient_accumulation_steps × processes = {batch}) "
             f"exceeds the {n} training examples; lower the batch size."
         )
@@ -50,7 +51,7 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
     else:
         lp_steps = round(args.lp_steps * planned) if args.lp_steps < 1 else int(args.lp_steps)
         if not 1 <= lp_steps < planned:
-            raise ValueError(f"DPTrainer: lp_steps={args.lp_steps} gives {lp_steps} linear-probing steps out of "
+            raise DPConfigError(f"DPTrainer: lp_steps={args.lp_steps} gives {lp_steps} linear-probing steps out of "
                              f"{planned} planned; it must leave at least one step to each phase.")
         lp_batch = logical_batch(args, args.lp_per_device_train_batch_size or args.per_device_train_batch_size, n)
         q1, q2, ft_steps = lp_batch / n, batch / n, planned - lp_steps
@@ -78,9 +79,9 @@ def resume_ledger(plan: PrivacyLedger, checkpoint: PrivacyLedger, global_step: i
     changed = [f"{k}: checkpoint {getattr(checkpoint, k)!r} vs now {getattr(plan, k)!r}"
                for k in RESUME_INVARIANTS if getattr(checkpoint, k) != getattr(plan, k)]
     if changed:
-        raise ValueError("DPTrainer: cannot resume, the privacy plan changed since the checkpoint "
+        raise DPConfigError("DPTrainer: cannot resume, the privacy plan changed since the checkpoint "
                          "(resume with the same arguments and data):\n  " + "\n  ".join(changed))
     if checkpoint.steps_done != global_step:
-        raise ValueError(f"DPTrainer: the checkpoint's ledger counts {checkpoint.steps_done} DP steps but its trainer "
+        raise DPConfigError(f"DPTrainer: the checkpoint's ledger counts {checkpoint.steps_done} DP steps but its trainer "
                          f"state {global_step}; the checkpoint is inconsistent.")
     return checkpoint

@@ -31,9 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-
-class ScopeError(ValueError):
-    """The requested fine-tuning scope does not fit the model."""
+from .errors import ScopeError  # noqa: F401  (defined in errors.py, importable from here as before)
 
 
 @dataclass

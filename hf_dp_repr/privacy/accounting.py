@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from opacus.accountants import create_accountant
 
+from ..errors import OutOfReachError, PrivacyBudgetExhaustedError  # noqa: F401  (OutOfReachError: importable from here as before)
+
 LEDGER_FILE = "privacy_ledger.json"
 # Calibrated σ spends between (1 - tolerance)·ε and ε: tight enough that "exactly the target" holds to 0.1 %.
 RELATIVE_EPSILON_TOLERANCE = 1e-3
@@ -38,10 +40,6 @@ GDP_REFUSED = ("the 'gdp' accountant is refused: its central-limit approximation
                "(default), 'rdp' or 'pld'.")
 
 History = list[tuple[float, float, int]]  # (noise_multiplier, sample_rate, steps), as Opacus stores it
-
-
-class OutOfReachError(ValueError):
-    """No σ makes the run spend as little as the target ε (below the accountant's floor)."""
 
 
 def check_accountant(accountant: str, neighboring: str = "add_remove") -> None:
@@ -216,7 +214,7 @@ class PrivacyLedger:
     def record_step(self) -> None:
         """Account for one noisy update; refuses to go past the planned steps (the budget)."""
         if self.steps_done >= self.planned_steps:
-            raise RuntimeError(
+            raise PrivacyBudgetExhaustedError(
                 f"Privacy budget exhausted: {self.steps_done} of {self.planned_steps} planned DP steps are done. "
                 "Refusing to take another noisy step; plan a longer run (and a new budget) instead."
             )

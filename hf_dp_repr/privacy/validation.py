@@ -10,9 +10,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 from transformers.models.vit.modeling_vit import ViTEmbeddings
 
-
-class NotPrivatizableError(ValueError):
-    """The model has modules whose training would break the DP guarantee or its per-sample gradients."""
+from ..errors import NotPrivatizableError  # noqa: F401  (defined in errors.py, importable from here as before)
 
 
 def check_model_is_privatizable(model: nn.Module) -> None:

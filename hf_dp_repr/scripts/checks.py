@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 
+from hf_dp_repr.errors import DPConfigError
+
 logger = logging.getLogger("hf_dp_repr.recipes")
 
 CLASSIFIER_SUFFIXES = ("ForImageClassification", "ForSequenceClassification")
 
 
-class RecipeArgumentError(ValueError):
+class RecipeArgumentError(DPConfigError):
     """A recipe argument that cannot work; raised before any work is done."""
 
 

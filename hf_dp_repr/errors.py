@@ -1,0 +1,51 @@
+"""The errors hf-dp-repr raises on purpose, in one place (as Opacus keeps its own): catch `HfDpReprError` for any
+of them, or one kind. Each subclasses the builtin it replaces, so `except ValueError` / `except RuntimeError`
+written against earlier versions still catches it.
+
+    >>> from hf_dp_repr import DPTrainingArguments
+    >>> from hf_dp_repr.errors import DPConfigError
+    >>> try:
+    ...     DPTrainingArguments(output_dir="out", report_to="none")  # neither target_epsilon nor noise_multiplier
+    ... except DPConfigError as err:
+    ...     print(type(err).__name__, isinstance(err, ValueError))
+    DPConfigError True
+"""
+
+
+class HfDpReprError(Exception):
+    """Base of every error hf-dp-repr raises on purpose."""
+
+
+# ---- refused before any work (a ValueError: the arguments or the model cannot work) ---------------------------
+class DPConfigError(HfDpReprError, ValueError):
+    """A DP argument (DPTrainingArguments, a recipe argument, a privacy plan) that cannot work; the message names the
+    argument and the fix."""
+
+
+class NotPrivatizableError(DPConfigError):
+    """The model has modules whose training would break the DP guarantee or its per-sample gradients."""
+
+
+class ScopeError(DPConfigError):
+    """The requested fine-tuning scope does not fit the model."""
+
+
+class OutOfReachError(DPConfigError):
+    """No σ makes the run spend as little as the target ε (below the accountant's floor)."""
+
+
+# ---- refused during or around a run (a RuntimeError: the state of the run or of the world) ----------------------
+class PrivacyBudgetExhaustedError(HfDpReprError, RuntimeError):
+    """Another noisy step would spend more than the planned budget: every planned DP step is done."""
+
+
+class CheckpointMismatchError(HfDpReprError, RuntimeError):
+    """The checkpoint's tensors do not fill the model exactly: resuming would train from other weights."""
+
+
+class HubAccessError(HfDpReprError, RuntimeError):
+    """Not logged in, offline, or no write access to the repository: raised before anything is written or sent."""
+
+
+__all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
+           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError"]
