@@ -5,11 +5,8 @@ pushed to the Hub states the guarantee: ε (from the accountant), δ, accountant
 clipping norm, sampling, steps, epochs, dataset size, public vs private data, trained scope, library versions,
 evaluation metrics (`all_results.json`) and the representation-law fits (`representation_law.json`).
 
-What the trainer cannot know, the caller says through `trainer.model_card_info` (a dict, all keys optional):
-`private_data`, `public_data` (one-line descriptions), `base_model` (Hub name, for the card's metadata),
-`base_model_description` (free text), `datasets` (Hub dataset ids, for the metadata), `model_name` (what was
-fine-tuned on what; the card's title adds whether it is differentially private), `analysis_data` (what the
-representation laws were measured on), `license`. They are kept in the card's metadata (`hf_dp_repr`), so that
+What the trainer cannot know, the caller declares with `DPTrainer(..., model_card_info=ModelCardInfo(...))`
+(all fields optional; see `ModelCardInfo`). It is kept in the card's metadata (`hf_dp_repr`), so that
 `refresh_model_card(folder)` (e.g. `hf-dp-repr push`) renders the card again from the folder alone.
 
 A run with `noise_multiplier=0` gets a card that says what it is: a non-private reference, tagged
@@ -21,7 +18,7 @@ Example (a ledger as `PrivacyLedger.to_dict()` writes it; ε computed by the acc
     ...     dataset_size=6400, poisson_sampling=True, target_epsilon=3.0, planned_steps=100, steps_done=100,
     ...     phases=[dict(name="train", noise_multiplier=1.1, sample_rate=0.01, steps=100, expected_batch_size=64)],
     ...     history=[(1.1, 0.01, 100)], epsilon=compute_epsilon([(1.1, 0.01, 100)], 1e-5))
-    >>> card = render_model_card(led, model_card_info={"private_data": "my records"})
+    >>> card = render_model_card(led, model_card_info=ModelCardInfo(private_data="my records"))
     >>> "differential-privacy" in card.data.tags, "my records" in card.text, "| noise multiplier σ | 1.1 |" in card.text
     (True, True, True)
 """
@@ -31,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -56,6 +54,42 @@ NEIGHBORING = {
 _VERSIONED = ("hf_dp_repr", "torch", "transformers", "opacus", "accelerate", "datasets", "peft", "huggingface_hub")
 
 
+@dataclass(frozen=True)
+class ModelCardInfo:
+    """What the DP model card says that the trainer cannot know: `DPTrainer(..., model_card_info=ModelCardInfo(...))`.
+
+    `model_name`: what was fine-tuned on what (the card's title adds whether it is differentially private);
+    `base_model`: Hub name, for the card's metadata; `base_model_description`: free text; `datasets`: Hub dataset
+    ids, for the metadata; `private_data` / `public_data`: one-line descriptions; `analysis_data`: what the
+    representation laws were measured on; `license`.
+    """
+
+    model_name: str | None = None
+    base_model: str | None = None
+    base_model_description: str | None = None
+    datasets: tuple[str, ...] = ()
+    private_data: str | None = None
+    public_data: str | None = None
+    analysis_data: str | None = None
+    license: str | None = None
+
+    @classmethod
+    def from_value(cls, value: ModelCardInfo | dict | None) -> ModelCardInfo:
+        """`value` as a ModelCardInfo (a dict of the same keys, or None, is accepted); unknown keys are refused."""
+        if isinstance(value, cls):
+            return value
+        value = dict(value or {})
+        unknown = set(value) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"model_card_info: unknown field(s) {sorted(unknown)}; ModelCardInfo has "
+                            f"{[f.name for f in fields(cls)]}.")
+        return cls(**{**value, "datasets": tuple(value.get("datasets") or ())})
+
+    def to_dict(self) -> dict:
+        """The fields that are set (what the card's metadata keeps)."""
+        return {k: (list(v) if k == "datasets" else v) for k, v in asdict(self).items() if v not in (None, (), [])}
+
+
 def template_path() -> str:
     """Path of the card template: `model_cards/dp_model_card.md`, shipped in the package as `templates/`."""
     return str(resources.files("hf_dp_repr").joinpath("templates", TEMPLATE_NAME))
@@ -76,7 +110,7 @@ def write_model_card(trainer, output_dir: str | os.PathLike) -> ModelCard:
                          "not exist; train with DPTrainer before writing a DP model card.")
     describe = getattr(trainer, "describe_scope", None)
     scope = describe() if callable(describe) else "all parameters"
-    info = dict(getattr(trainer, "model_card_info", None) or {})
+    info = ModelCardInfo.from_value(getattr(trainer, "model_card_info", None)).to_dict()
     model = getattr(trainer, "model", None)
     if "base_model" not in info and model is not None:
         info["base_model"] = getattr(getattr(model, "config", None), "_name_or_path", None) or None
@@ -107,10 +141,10 @@ def refresh_model_card(folder: str | os.PathLike, *, write: bool = True) -> Mode
     return card
 
 
-def render_model_card(ledger: dict, *, model_card_info: dict | None = None, scope: str = "all parameters",
-                      output_dir: str | os.PathLike | None = None) -> ModelCard:
+def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | None = None,
+                      scope: str = "all parameters", output_dir: str | os.PathLike | None = None) -> ModelCard:
     """Render the card from a ledger dict (`PrivacyLedger.to_dict()`) and what `output_dir` holds."""
-    info = dict(model_card_info or {})
+    info = ModelCardInfo.from_value(model_card_info).to_dict()
     results = _load_json(Path(output_dir) / RESULTS_FILE) if output_dir is not None else None
     laws = _load_json(Path(output_dir) / LAW_FILE) if output_dir is not None else None
     base_model = info.get("base_model")

@@ -36,6 +36,7 @@ from transformers.utils import logging
 
 from .cached_head import prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
+from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
@@ -53,12 +54,13 @@ logger = logging.get_logger(__name__)
 class DPTrainer(DPSavingMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
-    Takes the same arguments as `Trainer`. The training loss logged by the Trainer is computed on private
-    data and is not covered by the DP guarantee (which covers the weights); ε is logged as `epsilon`.
+    Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
+    about the data and the base model). The training loss logged by the Trainer is computed on private data and is
+    not covered by the DP guarantee (which covers the weights); ε is logged as `epsilon`.
     """
 
     def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, peft_config=None,
-                 **kwargs):
+                 model_card_info: ModelCardInfo | dict | None = None, **kwargs):
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
         if kwargs.get("compute_loss_func") is not None:
@@ -86,6 +88,7 @@ class DPTrainer(DPSavingMixin, Trainer):
         if self._scopes:
             self._scopes[-1].apply(model)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        self.model_card_info = ModelCardInfo.from_value(model_card_info)  # written by model_card.write_model_card
         self.ledger: PrivacyLedger | None = None
         self._plan: PrivacyLedger | None = None
         self._applied_phase: int | None = None
