@@ -1,14 +1,29 @@
 import os
 
-import numpy as np
-import pytest
-import torch
-from datasets import Dataset
-
+# Before anything imports torch (OpenMP reads its policy when it loads), datasets or huggingface_hub (they read
+# the offline switches when imported): tests never reach the network, and OpenMP threads sleep instead of spinning
+# at barriers on a shared machine.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from utils import make_token_dataset  # noqa: E402  (helpers shared by test files: tests/utils.py)
+
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and 2 OpenMP threads on a busy 2-core machine ran up to 100×
+    slower (spinning barriers): modules of tiny-model tests use one (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -18,29 +33,6 @@ def digits():
     return load_digits_dataset()
 
 
-def make_token_dataset(n: int = 24, length: int = 8, vocab: int = 128, seed: int = 0) -> Dataset:
-    """Random token sequences with right padding of random length (labels -100 on padding)."""
-    rng = np.random.default_rng(seed)
-    rows = {"input_ids": [], "attention_mask": [], "labels": []}
-    for _ in range(n):
-        valid = int(rng.integers(3, length + 1))
-        ids = rng.integers(1, vocab, size=length)
-        mask = (np.arange(length) < valid).astype(np.int64)
-        ids = np.where(mask == 1, ids, 0)
-        rows["input_ids"].append(ids)
-        rows["attention_mask"].append(mask)
-        rows["labels"].append(np.where(mask == 1, ids, -100))
-    return Dataset.from_dict(rows).with_format("torch")
-
-
 @pytest.fixture
 def token_dataset():
     return make_token_dataset()
-
-
-def make_token_classification_dataset(n: int = 24, length: int = 8, vocab: int = 128, num_labels: int = 2,
-                                      seed: int = 0) -> Dataset:
-    """Random token sequences (right-padded) with a random class label each."""
-    rows = make_token_dataset(n, length, vocab, seed).with_format(None).to_dict()
-    rows["labels"] = np.random.default_rng(seed + 1).integers(0, num_labels, size=n).tolist()
-    return Dataset.from_dict(rows).with_format("torch")

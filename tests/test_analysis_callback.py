@@ -4,7 +4,6 @@ import json
 import warnings
 
 import pytest
-import torch
 from transformers import PrinterCallback, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from hf_dp_repr.analysis import RepresentationLawCallback
@@ -14,12 +13,7 @@ from hf_dp_repr.tiny import tiny_vit
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_analysis_models.py: OpenMP on a busy 2-core machine
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

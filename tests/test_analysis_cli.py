@@ -6,7 +6,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from hf_dp_repr.analysis import RepresentationReport, fit_law, plot_laws, plot_umap
 from hf_dp_repr.analysis.cli import add_analyze_parser, run_analyze
@@ -15,12 +14,7 @@ from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_analysis_models.py: OpenMP on a busy 2-core machine
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def parse(argv):

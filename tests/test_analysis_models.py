@@ -16,14 +16,7 @@ from hf_dp_repr.data import load_digits_dataset
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and 2 OpenMP threads on a busy 2-core machine can run
-    100× slower (spinning barriers); one thread keeps these tests fast wherever they run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,7 @@ from hf_dp_repr.data import MINILM
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_analysis_models.py
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def parse(argv):

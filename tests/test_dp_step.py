@@ -4,63 +4,9 @@ import copy
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from utils import ACCUMULATION, BATCH, brute_force_update, relative_error, run_one_step  # noqa: F401  (also imported from here)
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
-
-BATCH, ACCUMULATION = 4, 3  # logical batch L = 12 of n = 24 examples: q = 0.5
-
-
-class CaptureUpdate(TrainerCallback):
-    """Keeps the private gradient the optimizer applied at the first step (p.grad right after the DP step)."""
-
-    def __init__(self):
-        self.grads = None
-
-    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def run_one_step(model, dataset, tmp_path, **dp_kwargs):
-    capture = CaptureUpdate()
-    args = DPTrainingArguments(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
-        max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-        report_to="none", save_strategy="no", disable_tqdm=True, seed=3, noise_seed=3, **dp_kwargs,
-    )
-    trainer = DPTrainer(model=model, args=args, train_dataset=dataset, callbacks=[capture])
-    trainer.train()
-    sampler = trainer._batch_sampler
-    sampler.set_epoch(0)
-    batch = [i for chunk in list(sampler)[:ACCUMULATION] for i in chunk]
-    return capture.grads, batch
-
-
-def brute_force_update(model, dataset, batch, clip, clipping):
-    """Σ_i clip(∇ loss_i) / L with each example's gradient computed alone through the model's own HF loss."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in model.named_parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    for i in batch:
-        example = {k: v.unsqueeze(0) for k, v in dataset[i].items()}
-        grads = torch.autograd.grad(model(**example).loss, params)
-        if clipping == "flat":
-            norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-            grads = [g * min(1.0, clip / norm.item()) for g in grads]
-        else:  # per_layer: each tensor to C / sqrt(#tensors)
-            c = clip / len(grads) ** 0.5
-            grads = [g * min(1.0, c / g.norm().item()) for g in grads]
-        total = [t + g for t, g in zip(total, grads)]
-    return {n: t / (BATCH * ACCUMULATION) for n, t in zip(names, total)}
-
-
-def relative_error(got: dict, want: dict) -> float:
-    num = sum(((got[n] - want[n]).double() ** 2).sum() for n in want)
-    den = sum((want[n].double() ** 2).sum() for n in want)
-    return (num / den).sqrt().item()
-
 
 MODELS = {
     "vit": lambda: tiny_vit(num_labels=10),

@@ -9,10 +9,10 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model
-from test_dp_step import ACCUMULATION, BATCH, brute_force_update, relative_error, run_one_step
+from utils import ACCUMULATION, BATCH, brute_force_update, relative_error, run_one_step
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSequenceClassification
 
-from conftest import make_token_dataset
+from utils import make_token_dataset
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.lora import apply_peft_config, check_peft_model
 from hf_dp_repr.privacy.accounting import LEDGER_FILE
@@ -230,7 +230,7 @@ def test_dp_trainer_refuses_a_prewrapped_dora_model_and_lora_with_trainable_bloc
 
 
 def test_lora_run_resumes_from_a_checkpoint_with_the_same_accounting(digits, tmp_path):
-    from test_scopes import _StopAt
+    from utils import StopAt as _StopAt
 
     data = digits["train"].select(range(64))
 

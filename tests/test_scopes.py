@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import make_token_classification_dataset, make_token_dataset
 from transformers import TrainerCallback
+from utils import StopAt, make_token_classification_dataset, make_token_dataset
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
@@ -157,13 +157,7 @@ def test_lp_then_ft_spends_exactly_the_target_and_continues_from_the_probe(fract
     assert trainer.state.log_history[0]["learning_rate"] == pytest.approx(0.05)
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            control.should_training_stop = True
+_StopAt = StopAt
 
 
 def test_resume_across_the_phase_boundary(digits, tmp_path):
