@@ -7,6 +7,8 @@
 
     hf-dp-repr push out/ --hub_model_id me/name [--private] [--revision BRANCH]
 
+    hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text)
+
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
 `steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
 
@@ -119,11 +121,30 @@ def run_push(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_SCRIPTS = {"image": "image_classification", "lm": "causal_lm", "text": "text_classification"}
+
+
+def _add_train_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="Run a recipe (hf_dp_repr.scripts): DP fine-tuning of an image classifier, "
+                              "a causal LM or a text classifier; `hf-dp-repr train image --help` lists its arguments.")
+    p.add_argument("task", choices=sorted(TRAIN_SCRIPTS))
+    p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's arguments (--config file.yaml, ...)")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(f"hf_dp_repr.scripts.{TRAIN_SCRIPTS[args.task]}").main(args.recipe_args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_privacy_parser(subparsers)
     _add_push_parser(subparsers)
+    _add_train_parser(subparsers)
     from .analysis.cli import add_analyze_parser
 
     add_analyze_parser(subparsers)

@@ -2,13 +2,9 @@
 
 import json
 import math
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import demo  # noqa: E402
+from hf_dp_repr.scripts import demo
 
 
 def _refuse(constant):

@@ -5,12 +5,11 @@ checked before any work. The Hub is mocked (test_model_card._Capture): the real 
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
-from test_model_card import _Capture
+from utils import HubCapture as _Capture
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
@@ -157,8 +156,7 @@ def test_check_hub_access_needs_a_write_token_and_a_namespace_of_ours(monkeypatc
 def test_recipe_checks_the_hub_before_any_work(tmp_path, monkeypatch):
     from huggingface_hub.errors import LocalTokenNotFoundError
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-    import dp_image_classification as image_recipe
+    from hf_dp_repr.scripts import image_classification as image_recipe
 
     _whoami_raises(monkeypatch, LocalTokenNotFoundError("no token"))
     with pytest.raises(HubAccessError, match="hf auth login"):

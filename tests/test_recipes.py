@@ -13,13 +13,12 @@ from transformers import TrainingArguments
 
 from hf_dp_repr import DPTrainingArguments
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
+from hf_dp_repr.scripts import causal_lm as lm_recipe
+from hf_dp_repr.scripts import image_classification as image_recipe
+from hf_dp_repr.scripts import text_classification as text_recipe
+from hf_dp_repr.scripts import utils as ru
 
-import dp_causal_lm as lm_recipe  # noqa: E402
-import dp_image_classification as image_recipe  # noqa: E402
-import dp_text_classification as text_recipe  # noqa: E402
-import recipe_utils as ru  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DP_FIELDS = [f for f in dataclasses.fields(DPTrainingArguments)
              if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}]
@@ -65,7 +64,8 @@ def test_every_shipped_config_parses():
 
     for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
         named = re.search(r"recipes/(dp_\w+)\.py", cfg.read_text())  # each config names its recipe; demo: image
-        recipe = {m.__name__: m for m in RECIPES}[named.group(1)] if named else image_recipe
+        by_file = {"dp_image_classification": image_recipe, "dp_causal_lm": lm_recipe, "dp_text_classification": text_recipe}
+        recipe = by_file[named.group(1)] if named else image_recipe
         values = yaml.safe_load(cfg.read_text())
         budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
         ru.parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
@@ -123,7 +123,7 @@ def test_public_model_is_reused_by_runs_with_the_same_settings(image_run, caplog
 
 
 def test_recipe_push_sends_the_dp_run(image_run, monkeypatch):
-    from test_model_card import _Capture
+    from utils import HubCapture as _Capture
 
     out, argv, _ = image_run
     hub = _Capture(monkeypatch)
@@ -161,7 +161,7 @@ def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path, cap
 def test_causal_lm_public_private_and_eval_documents_are_disjoint_by_content():
     """Not only by row: a paragraph repeated in the stdlib (87 of 1166 private paragraphs were verbatim copies of
     public ones) is kept once, so no private text is also public or held out, and none is counted twice."""
-    from dp_causal_lm import LMArguments, load_documents
+    from hf_dp_repr.scripts.causal_lm import LMArguments, load_documents
 
     docs = load_documents(LMArguments())
     public, private = ru.split_public_private(docs["train"], 0.5, seed=0)
@@ -183,7 +183,7 @@ def test_causal_lm_public_private_and_eval_documents_are_disjoint_by_content():
 def test_documents_of_a_saved_dataset_are_deduplicated_across_splits(tmp_path):
     import datasets
 
-    from dp_causal_lm import LMArguments, load_documents
+    from hf_dp_repr.scripts.causal_lm import LMArguments, load_documents
 
     datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": ["a b", "c", "a  b", "", "d", "e"]}),
                          test=datasets.Dataset.from_dict({"text": ["d", "f", "f"]})).save_to_disk(tmp_path / "d")
@@ -265,7 +265,7 @@ def test_text_recipe_takes_a_local_gpt2_folder_and_a_saved_dataset(tmp_path):
     import datasets
     from transformers import AutoModelForSequenceClassification
 
-    from dp_causal_lm import train_tokenizer
+    from hf_dp_repr.scripts.causal_lm import train_tokenizer
     from hf_dp_repr.tiny import tiny_gpt2_classifier
 
     texts = [f"{w} number {i} is here" for i, w in enumerate(["red", "green", "blue", "red green"] * 30)]
@@ -354,7 +354,7 @@ def test_bf16_recipe_survives_public_pretraining(tmp_path):
 def test_class_names_come_from_the_declaration_and_labels_must_fit_it():
     import datasets
 
-    import recipe_checks as checks
+    from hf_dp_repr.scripts import checks
 
     plain = datasets.Dataset.from_dict({"label": [0, 1, 1]})
     with pytest.raises(ValueError, match="not a ClassLabel.*--num_labels"):
@@ -389,7 +389,7 @@ def test_npz_classes_are_declared(tmp_path):
 
 # ---- what a run shows ----------------------------------------------------------------------------------------------
 def test_recipes_log_epsilon_about_twenty_times_unless_told(tmp_path):
-    import recipe_report
+    from hf_dp_repr.scripts import report as recipe_report
 
     args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1, report_to="none")
     recipe_report.default_logging(args, planned_steps=264, given=set())
@@ -430,7 +430,7 @@ def test_only_the_main_process_logs():
 
 
 def test_result_table_states_metrics_and_privacy():
-    import recipe_report
+    from hf_dp_repr.scripts import report as recipe_report
 
     from hf_dp_repr.privacy.accounting import Phase, PrivacyLedger
 
@@ -475,7 +475,7 @@ def test_two_processes_log_the_plan_and_the_results_once(tmp_path):
 def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
     """`make demo`'s script: the public model, DP at ε = 1 and 8 and the non-private reference, in one table; the
     ε = 1 run within 5 points of the reference; a line per stage while it runs."""
-    import demo
+    from hf_dp_repr.scripts import demo
 
     summary = demo.main(["--output_dir", str(tmp_path)])
     runs = summary["runs"]
@@ -491,7 +491,7 @@ def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
 def test_public_pretraining_prints_progress_lines():
     from types import SimpleNamespace
 
-    import recipe_report
+    from hf_dp_repr.scripts import report as recipe_report
 
     lines = []
     cb = recipe_report.ProgressLines("public pre-training", epochs=40, log=lines.append)

