@@ -68,3 +68,15 @@ def test_preprocessing_is_a_map_so_the_probe_may_cache(tmp_path, recwarn, capfd)
     assert "torchvision" not in capfd.readouterr().err  # transformers' "falls back to the PIL backend" line
     with pytest.raises(DPConfigError, match="--num_labels"):
         load_npz(str(_npz(tmp_path)))
+
+
+def test_analyze_reads_the_recipes_npz_with_a_folder_without_image_processor(tmp_path, capsys):
+    from hf_dp_repr.cli import main
+
+    model_dir = tmp_path / "model"
+    tiny_vit(num_labels=3, num_channels=3, image_size=16).save_pretrained(model_dir)  # no preprocessor_config.json
+    assert main(["analyze", "--model", str(model_dir), "--dataset", str(_npz(tmp_path)), "--num-labels", "3",
+                 "--image-size", "16", "--split", "test", "--out", str(tmp_path / "law")]) == 0
+    assert "| model | image-classification (cls) | 6 |" in capsys.readouterr().out
+    with pytest.raises(DPConfigError, match="--num_labels"):  # the .npz declares no classes: same rule as the recipe
+        main(["analyze", "--model", str(model_dir), "--dataset", str(_npz(tmp_path)), "--out", str(tmp_path / "x")])

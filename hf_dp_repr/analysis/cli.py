@@ -6,9 +6,10 @@
         --dataset stdlib-topics --knn --knn-memory train --out law-text/
 
 Datasets: `digits` (sklearn's digits, offline), `stdlib-docs` (docstrings of the Python standard library,
-offline; see `corpus.py`), `stdlib-topics` (the text recipe's labelled docstring paragraphs, offline), a directory
-written by `Dataset(Dict).save_to_disk`, or a Hub dataset name. Vision data need `pixel_values` (or an `image`/`img`
-column, turned into pixel values by the model's image processor) and `labels`/`label`; text data need `input_ids`
+offline; see `corpus.py`), `stdlib-topics` (the text recipe's labelled docstring paragraphs, offline), a `.npz` of
+image arrays (as the image recipe reads it), a directory written by `Dataset(Dict).save_to_disk`, or a Hub dataset
+name. Vision data need `pixel_values` (or an `image`/`img` column, preprocessed as in the image recipe: the model's
+image processor, else its family's defaults; `--image-size` etc. override) and `labels`/`label`; text data need `input_ids`
 or a `text` column (tokenised per model), and `labels`/`label` for encoders.
 
 What is measured depends on the model (see `inputs.py`): image models and encoders (BERT, MiniLM) on labelled data:
@@ -74,6 +75,14 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--pooling", choices=POOLINGS, default="cls",
                    help="images and encoders on labelled text: the [CLS] token or the mean of the other tokens")
     p.add_argument("--block-size", type=int, default=128, help="text: tokens per sequence (capped by the model)")
+    p.add_argument("--num-labels", type=int, default=None, metavar="N",
+                   help="a .npz without class_names: its number of classes (as the image recipe's --num_labels)")
+    p.add_argument("--image-processor", default=None, metavar="NAME_OR_PATH",
+                   help="images: preprocess with this image processor (default: the model's own, else its family's "
+                        "defaults, as the image recipe does)")
+    p.add_argument("--image-size", type=int, default=None, metavar="PX", help="images: resize to PX × PX")
+    p.add_argument("--image-mean", type=float, nargs="+", default=None, help="images: normalisation mean per channel")
+    p.add_argument("--image-std", type=float, nargs="+", default=None, help="images: normalisation std per channel")
     p.add_argument("--knn", action="store_true",
                    help="labelled data: also report the DINO kNN accuracy of the last hidden state")
     p.add_argument("--knn-memory", default="train", metavar="SPLIT",

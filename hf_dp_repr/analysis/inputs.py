@@ -67,6 +67,10 @@ def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]
         from hf_dp_repr.data import load_stdlib_topics
 
         data = pick(load_stdlib_topics(), split)
+    elif args.dataset.endswith(".npz"):  # the image recipe's arrays (x_train, y_train, x_test, y_test)
+        from hf_dp_repr.image_data import load_npz
+
+        data = pick(load_npz(args.dataset, getattr(args, "num_labels", None)), split)
     else:
         import datasets
 
@@ -75,7 +79,12 @@ def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]
             data = pick(data, split) if isinstance(data, datasets.DatasetDict) else data
         else:
             data = datasets.load_dataset(args.dataset, split=split)
-    return prepare(data, name, model, tokenizer, args.block_size, args.dataset)
+    return prepare(data, name, model, tokenizer, args.block_size, args.dataset, image_options=_image_options(args))
+
+
+def _image_options(args) -> dict:
+    """The image recipe's preprocessing options, as `hf-dp-repr analyze` takes them."""
+    return {k: getattr(args, k, None) for k in ("image_processor", "image_size", "image_mean", "image_std")}
 
 
 def pick(data, split: str):
@@ -102,19 +111,23 @@ def text_task(name: str, model, labelled: bool, dataset: str) -> str:
                      "LM (next-token residual) or an encoder such as BERT ([CLS] against labels).")
 
 
-def prepare(data, name: str, model, tokenizer, block_size: int, dataset: str) -> tuple[Any, str]:
-    """Map raw `image` / `text` columns to model inputs; rename `label` to `labels`. Returns (data, task)."""
+def prepare(data, name: str, model, tokenizer, block_size: int, dataset: str, image_options: dict | None = None
+            ) -> tuple[Any, str]:
+    """Map raw `image` / `text` columns to model inputs; rename `label` to `labels`. Returns (data, task). Images are
+    preprocessed as the image recipe does (`hf_dp_repr.image_data.image_processor_for`, with `image_options`)."""
     if "label" in data.column_names and "labels" not in data.column_names:
         data = data.rename_column("label", "labels")
     image_col = next((c for c in ("image", "img") if c in data.column_names), None)
     if "pixel_values" in data.column_names or image_col is not None:
         if image_col is not None and "pixel_values" not in data.column_names:
-            from transformers import AutoImageProcessor
+            from hf_dp_repr.data import resolve_model_path
+            from hf_dp_repr.image_data import image_processor_for
 
-            processor = AutoImageProcessor.from_pretrained(name)
+            processor, how = image_processor_for(resolve_model_path(name), model.config, **(image_options or {}))
+            logger.info("%s: image preprocessing: %s", name, how)
 
             def transform(batch):
-                images = [im.convert("RGB") for im in batch[image_col]]
+                images = [im.convert("RGB" if model.config.num_channels == 3 else "L") for im in batch[image_col]]
                 return {"pixel_values": processor(images, return_tensors="pt")["pixel_values"],
                         "labels": batch["labels"]}
 
