@@ -74,7 +74,8 @@ class DPTrainingArguments(TrainingArguments):
     clipping: str = field(
         default="flat",
         metadata={"help": "'flat' (one norm over all parameters), 'per_layer' (each parameter tensor clipped to "
-                  "C/sqrt(#tensors), total sensitivity C) or 'automatic' (Bu et al.: g·C/(||g||+0.01)).",
+                  "C/sqrt(#tensors), total sensitivity C) or 'automatic' (Bu et al.: g·C/(||g||+0.01)). 'none' (with noise_multiplier=0 only): the true "
+                  "non-private reference, the plain gradient through the same trainer (ε = ∞).",
                   "choices": CLIPPING_MODES},
     )
     secure_mode: bool = field(
@@ -192,6 +193,10 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise DPConfigError(f"DPTrainingArguments: {err}") from None
     if args.clipping not in CLIPPING_MODES:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of {CLIPPING_MODES}.")
+    if args.clipping == "none" and not (sigma == 0 and eps is None):
+        raise DPConfigError("DPTrainingArguments: clipping='none' bounds no example's influence, so no noise makes it "
+                            "private; it is only for the non-private reference: set noise_multiplier=0 (and no "
+                            "target_epsilon), or use clipping='flat'.")
     if args.max_grad_norm:
         raise DPConfigError(
             f"DPTrainingArguments: max_grad_norm={args.max_grad_norm} would clip the summed, non-private gradient "

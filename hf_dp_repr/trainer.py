@@ -250,7 +250,8 @@ class DPTrainer(DPSavingMixin, Trainer):
                            "experiments only.")
         if led.noise_multiplier == 0:
             logger.warning("DPTrainer: noise_multiplier=0. This run is NOT differentially private (ε = ∞); "
-                           "per-example clipping only, as a non-private reference.")
+                           + ("no clipping (the plain gradient)" if led.clipping == "none" else
+                              "per-example clipping only") + ", as a non-private reference.")
         if not led.poisson_sampling:
             logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
                            "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")

@@ -19,7 +19,7 @@ from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _generate_noise
 
 AUTOMATIC_CLIPPING_GAMMA = 0.01  # stability constant γ of Bu et al. (2023), "Automatic clipping"
-CLIPPING_MODES = ("flat", "per_layer", "automatic")
+CLIPPING_MODES = ("flat", "per_layer", "automatic", "none")  # "none": the non-private reference only (σ = 0)
 
 
 class MicroBatchDPOptimizer(DPOptimizer):
@@ -65,6 +65,8 @@ class MicroBatchDPOptimizer(DPOptimizer):
 
     def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
         """Per-example, per-tensor clip factors (batch, tensors) from float32 norms of the same shape."""
+        if self.clipping == "none":  # the unclipped reference: update = plain mean gradient (config: σ = 0 only)
+            return torch.ones_like(norms)
         if self.clipping == "per_layer":
             per_tensor = self.max_grad_norm / math.sqrt(norms.shape[1])
             return (per_tensor / (norms + 1e-6)).clamp(max=1.0)

@@ -51,7 +51,8 @@ def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = No
     if "eval_loss" in metrics:
         rows.append((f"{eval_split} loss", f"{metrics['eval_loss']:.4f}"))
     eps = metrics.get("epsilon")
-    eps_text = "∞ (noise_multiplier=0: NOT private)" if eps is None or math.isinf(eps) else f"{eps:.4f}"
+    eps_text = (f"∞ (noise_multiplier=0{', no clipping' if ledger.clipping == 'none' else ''}: NOT private)"
+                if eps is None or math.isinf(eps) else f"{eps:.4f}")
     if ledger.target_epsilon is not None:
         eps_text += f" (target {ledger.target_epsilon:g})"
     rows.append(("ε spent", eps_text))
