@@ -116,11 +116,15 @@ def one_run_audit(losses: np.ndarray, included: np.ndarray, k: int, delta: float
     """Guess on the canaries from their losses and bound ε: {m, k, guesses, correct, epsilon_lower_bound, ...}."""
     from .bounds import one_run_epsilon_lower_bound
 
-    g = guess(np.asarray(losses), k)
-    r, v = score_guesses(g, np.asarray(included, bool))
+    from .mia import roc_metrics
+
+    losses, included = np.asarray(losses), np.asarray(included, bool)
+    g = guess(losses, k)
+    r, v = score_guesses(g, included)
     m = len(losses)
+    auc = roc_metrics(-losses[included], -losses[~included])["auc"] if 0 < included.sum() < m else None
     return {"canaries": m, "included": int(np.sum(included)), "k": k, "guesses": r, "correct": v,
-            "delta": delta, "confidence": 1 - beta,
+            "delta": delta, "confidence": 1 - beta, "canary_auc": auc,
             "epsilon_lower_bound": one_run_epsilon_lower_bound(m, r, v, delta, beta)}
 
 
