@@ -98,7 +98,10 @@ def load_audit_dataset(spec: str, flag: str):
         path, _, split = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
         if not Path(path).exists():
             _fail(f"{flag} {spec}: no such directory (give a save_to_disk folder, DIR:split, or digits:train|test)")
-        data = datasets.load_from_disk(path)
+        try:
+            data = datasets.load_from_disk(path)
+        except IndexError:  # datasets cannot load a folder saved from an empty Dataset
+            _fail(f"{flag} {spec} is empty (datasets cannot even load it). Nothing written.")
         if isinstance(data, datasets.DatasetDict):
             if split not in data:
                 _fail(f"{flag} {spec}: a DatasetDict; name a split as {path}:SPLIT, one of {sorted(data)}")
