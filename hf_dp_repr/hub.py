@@ -48,7 +48,7 @@ ALLOW_PATTERNS = [
     "tokenizer*.json", "tokenizer.model", "vocab.*", "merges.txt", "special_tokens_map.json",
     "preprocessor_config.json", "processor_config.json", "chat_template.*",
     "all_results.json", "eval_results.json",
-    "representation_law.json", "*.png",
+    "representation_law.json", "*.png", "canary_audit.json",
     LEDGER_FILE, CARD_FILE,
 ]  # fmt: skip
 # Never sent, whatever the allow-list says: anything in a subfolder (checkpoints, public pre-training, logs), and

@@ -117,3 +117,28 @@ def test_clipping_only_run_is_told_apart_from_epsilon_1(audits):
     _, dp, clip_only = audits
     assert clip_only["noise_multiplier"] == 0.0 and clip_only["claimed_epsilon"] is None
     assert clip_only["epsilon_lower_bound"] > dp["epsilon_lower_bound"] + 1.0
+
+
+def test_bound_goes_into_the_card_only_when_asked(tmp_path):
+    import json
+
+    from hf_dp_repr.audit.canaries import save_canary_audit
+    from hf_dp_repr.hub import files_to_push
+    from hf_dp_repr.model_card import refresh_model_card
+    from hf_dp_repr.privacy.accounting import compute_epsilon
+
+    led = dict(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat", dataset_size=347,
+               poisson_sampling=True, target_epsilon=1.0, planned_steps=100, steps_done=100,
+               phases=[dict(name="train", noise_multiplier=8.6, sample_rate=0.09, steps=100, expected_batch_size=32)],
+               history=[(8.6, 0.09, 100)], epsilon=compute_epsilon([(8.6, 0.09, 100)], 1e-5))
+    (tmp_path / "privacy_ledger.json").write_text(json.dumps(led))
+    assert "canary audit" not in refresh_model_card(tmp_path).text  # nothing unless asked
+    result = one_run_audit(np.r_[np.zeros(20), np.ones(60), np.full(20, 5.0)], np.r_[np.ones(20), np.zeros(80)] > 0,
+                           k=20, delta=1e-5)
+    save_canary_audit(result, str(tmp_path))
+    card = (tmp_path / "README.md").read_text()
+    # 20 right "in" (losses 0) + 20 right "out" (losses 5): 40 of 40, the bound of test_audit_bounds' formula
+    assert "40 of 40" in card and "ε ≥ **2.551**" in card and "95 % confidence" in card
+    assert "canary_audit.json" in files_to_push(tmp_path)
+    saved = json.loads((tmp_path / "canary_audit.json").read_text())
+    assert not any(isinstance(v, list) for v in saved.values())  # counts only: the secret draw is not written

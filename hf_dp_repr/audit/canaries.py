@@ -154,3 +154,22 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
                   noise_multiplier=(trainer.ledger.phases[-1].noise_multiplier if private else None),
                   trainer_obj=trainer)
     return result
+
+
+def save_canary_audit(result: dict, output_dir: str) -> str:
+    """Opt in to showing the one-run bound in the DP model card: write `output_dir/canary_audit.json` (which the
+    card renders beside the claimed ε and pushes upload) and refresh the card. The numbers are post-processing of
+    the DP-trained model with the public canaries and the inclusion draw, which owes nothing to the private data;
+    the draw itself is not written."""
+    import json
+    import os
+
+    from ..model_card import CANARY_AUDIT_FILE, refresh_model_card
+
+    keys = ("canaries", "included", "k", "guesses", "correct", "delta", "confidence", "epsilon_lower_bound",
+            "claimed_epsilon", "trainer")
+    path = os.path.join(output_dir, CANARY_AUDIT_FILE)
+    with open(path, "w") as f:
+        json.dump({k: result[k] for k in keys if k in result}, f, indent=2)
+    refresh_model_card(output_dir)
+    return path
