@@ -11,8 +11,8 @@ p(ε) grows with ε; the lower bound at confidence 1 − β is the largest ε wi
 rejected at level β. With δ = 0 the second term vanishes.
 
 Multi-run: a threshold attack on one canary over N runs with it and N without gives TPR and FPR. Any (ε, δ)-DP
-training satisfies TPR ≤ e^ε FPR + δ and (1 − FPR) ≤ e^ε (1 − TPR) + δ, so with one-sided Clopper–Pearson bounds
-(TPR_lo, FPR_hi, each at level β/2, jointly 1 − β)
+training satisfies TPR ≤ e^ε FPR + δ and (1 − FPR) ≤ e^ε (1 − TPR) + δ, so with one-sided Clopper–Pearson
+bounds (TPR_lo, FPR_hi, each at level β/2, jointly 1 − β)
 
     ε ≥ max(log((TPR_lo − δ) / FPR_hi), log((1 − FPR_hi − δ) / (1 − TPR_lo))).
 

@@ -52,7 +52,8 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("audit", help="membership inference against a saved DP run (report beside its ε)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the run's folder (DPTrainer output_dir with privacy_ledger.json)")
-    p.add_argument("--members", required=True, metavar="DATASET", help="examples it trained on: digits:train or DIR[:split]")
+    p.add_argument("--members", required=True, metavar="DATASET",
+                   help="examples it trained on: digits:train or DIR[:split]")
     p.add_argument("--non-members", required=True, metavar="DATASET", help="examples it did not see, same distribution")
     p.add_argument("--reference-model", action="append", default=[], metavar="PATH",
                    help="a model trained like the target on other data (none of the audited examples), for the "
@@ -71,8 +72,8 @@ def read_claim(model_dir: str) -> dict:
     """The claimed (ε, δ) of the run in `model_dir`, from its ledger; refuse a folder without one."""
     path = Path(model_dir) / LEDGER_FILE
     if not path.is_file():
-        _fail(f"{model_dir} has no {LEDGER_FILE}: the audit compares the attack with the ε the run claims, so it needs "
-              "a run saved by DPTrainer (trainer.save_model()). Nothing written.")
+        _fail(f"{model_dir} has no {LEDGER_FILE}: the audit compares the attack with the ε the run claims, so it "
+              "needs a run saved by DPTrainer (trainer.save_model()). Nothing written.")
     try:
         ledger = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -161,7 +162,8 @@ def run_audit(args: argparse.Namespace) -> int:
     for path in args.reference_model:
         ref, _ = load_model(path, "cpu")
         if int(ref.config.num_labels) != num_labels:
-            _fail(f"--reference-model {path} has {ref.config.num_labels} labels, the model {num_labels}. Nothing written.")
+            _fail(f"--reference-model {path} has {ref.config.num_labels} labels, the model {num_labels}. "
+                  "Nothing written.")
         references.append(ref)
 
     losses = {name: classification_losses(model, d, args.batch_size) for name, d in
@@ -175,7 +177,8 @@ def run_audit(args: argparse.Namespace) -> int:
     report = {"model": str(args.model), "claimed_epsilon": None if math.isinf(claim["epsilon"]) else claim["epsilon"],
               "claimed_delta": claim["delta"], "accountant": claim["accountant"], "neighboring": claim["neighboring"],
               "members": len(members), "non_members": len(non_members), "reference_models": args.reference_model,
-              "attacks": {k: {m: v[m] for m in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")} for k, v in curves.items()},
+              "attacks": {k: {m: v[m] for m in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
+                          for k, v in curves.items()},
               "mean_loss": {k: float(v.mean()) for k, v in losses.items()}, "not_covered_by_dp": NOT_COVERED}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,9 @@ Example (losses of a canary in 4 runs with it and 4 without):
     >>> import numpy as np
     >>> best_threshold(np.array([0.1, 0.2, 0.3, 2.0]), np.array([1.5, 2.5, 3.0, 4.0]))
     0.9
-    >>> audit_from_losses(np.array([0.1, 0.2, 0.1, 0.3]), np.array([2., 3., 2.5, 4.]), threshold=0.9, delta=0.0)["epsilon_lower_bound"]
-    0.0
+    >>> out = audit_from_losses(np.array([0.1, 0.2, 0.1, 0.3]), np.array([2., 3., 2.5, 4.]), threshold=0.9, delta=0.)
+    >>> out["tpr"], out["fpr"], out["epsilon_lower_bound"]   # perfect, but 4 + 4 runs prove nothing at 95 %
+    (1.0, 0.0, 0.0)
 """
 
 from __future__ import annotations
