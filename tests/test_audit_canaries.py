@@ -142,3 +142,12 @@ def test_bound_goes_into_the_card_only_when_asked(tmp_path):
     assert "canary_audit.json" in files_to_push(tmp_path)
     saved = json.loads((tmp_path / "canary_audit.json").read_text())
     assert not any(isinstance(v, list) for v in saved.values())  # counts only: the secret draw is not written
+
+
+def test_replace_one_claims_are_not_audited_with_add_remove_canaries(digits, tmp_path):
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, target_delta=1e-5, accountant="pld",
+                               neighboring="replace_one", report_to="none", save_strategy="no")
+    canaries = make_canaries(digits["test"], 10, "ood", seed=0)
+    with pytest.raises(ValueError, match="neighboring='add_remove'"):
+        train_with_canaries(tiny_vit(**SMALL_VIT), args, digits["train"].select(range(20)), canaries, k=2)
+    assert not any(tmp_path.iterdir())  # refused before training: nothing written

@@ -141,9 +141,13 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
     from ..config import DPTrainingArguments
     from ..trainer import DPTrainer
 
+    private = isinstance(args, DPTrainingArguments)
+    if private and args.neighboring != "add_remove":
+        raise ValueError("train_with_canaries: each canary is added to or left out of the training set, so the audit "
+                         f"tests an add/remove guarantee; this run claims ε for neighboring={args.neighboring!r}. "
+                         "Audit a run with neighboring='add_remove'.")
     included = draw_inclusion(len(canaries), inclusion_seed)
     data = with_canaries(train, canaries, included)
-    private = isinstance(args, DPTrainingArguments)
     trainer = (DPTrainer if private else Trainer)(model=model, args=args, train_dataset=data)
     trainer.train()
     delta = args.target_delta if private else (1e-5 if delta is None else delta)
