@@ -36,6 +36,12 @@ def overfit_run(digits, tmp_path_factory):
     members.save_to_disk(str(tmp / "members"))
     non_members.save_to_disk(str(tmp / "non_members"))
     model.save_pretrained(str(tmp / "no_ledger"))
+    # a reference model for the calibrated attack: trained the same way on 64 other training digits
+    args.output_dir = str(tmp / "reference")
+    reference = DPTrainer(model=tiny_vit(seed=1, hidden_size=32, num_hidden_layers=2, intermediate_size=64), args=args,
+                          train_dataset=digits["train"].select(range(64, 128)))
+    reference.train()
+    reference.save_model()
     return tmp
 
 
@@ -43,16 +49,19 @@ def test_audit_of_an_overfit_run(overfit_run, tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["audit", "--model", str(overfit_run / "run"), "--members", str(overfit_run / "members"),
                  "--non-members", str(overfit_run / "non_members"), "--out", str(out),
-                 "--reference-model", str(overfit_run / "no_ledger")]) == 0
+                 "--reference-model", str(overfit_run / "reference")]) == 0
     report = json.loads((out / "privacy_audit.json").read_text())
-    print(report["attacks"])
     assert report["claimed_epsilon"] is None and report["members"] == report["non_members"] == 64
     assert report["attacks"]["loss"]["auc"] > 0.75  # memorised: members have clearly lower loss
     assert report["mean_loss"]["members"] < report["mean_loss"]["non_members"]
     assert set(report["attacks"]) == {"loss", "calibrated"}
+    assert report["attacks"]["calibrated"]["auc"] > 0.6  # one reference model: noisier than the loss attack here
     assert "NOT covered by the DP guarantee" in report["not_covered_by_dp"]
     assert (out / "privacy_audit_roc.png").stat().st_size > 1000
-    assert "loss attack: AUC" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "loss attack: AUC" in printed and "calibrated attack: AUC" in printed
+    with capsys.disabled():
+        print(printed)
 
 
 def _refused(argv, out, match):
