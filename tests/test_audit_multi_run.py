@@ -47,7 +47,8 @@ def test_multi_run_on_digits_non_private_control(digits, tmp_path):
     3 + 3 calibration runs; about 8 s a run on the shared machine)."""
     from transformers import Trainer
 
-    from hf_dp_repr.audit.canaries import example_losses, make_canaries, with_canaries
+    from hf_dp_repr.audit.canaries import make_canaries, with_canaries
+    from hf_dp_repr.audit.mia import classification_losses
     from hf_dp_repr.tiny import tiny_vit
 
     train = digits["train"].select(range(50))
@@ -61,7 +62,7 @@ def test_multi_run_on_digits_non_private_control(digits, tmp_path):
         model = tiny_vit(seed=next(seeds), hidden_size=32, num_hidden_layers=2, intermediate_size=64)
         trainer = Trainer(model=model, args=args, train_dataset=with_canaries(train, canary, np.array([include])))
         trainer.train()
-        return float(example_losses(trainer.model, canary)[0])
+        return float(classification_losses(trainer.model, canary)[0])
 
     out = multi_run_audit(train_and_score, runs=16, calibration_runs=3, delta=1e-5)
     print(out)

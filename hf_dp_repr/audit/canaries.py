@@ -30,7 +30,6 @@ from __future__ import annotations
 import secrets
 
 import numpy as np
-import torch
 from datasets import Dataset, concatenate_datasets
 
 CANARY_KINDS = ("mislabelled", "ood")
@@ -79,20 +78,6 @@ def with_canaries(train: Dataset, canaries: Dataset, included: np.ndarray) -> Da
     return concatenate_datasets([train.with_format(None), chosen.with_format(None)]).with_format("torch")
 
 
-@torch.no_grad()
-def example_losses(model: torch.nn.Module, dataset: Dataset, batch_size: int = 256) -> np.ndarray:
-    """Cross-entropy of each example under `model` (eval mode), as float64 numpy."""
-    model.eval()
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(dataset), batch_size):
-        batch = dataset[start:start + batch_size]
-        logits = model(pixel_values=batch["pixel_values"].to(device)).logits
-        out.append(torch.nn.functional.cross_entropy(logits.double(), batch["labels"].to(device),
-                                                     reduction="none").cpu())
-    return torch.cat(out).numpy()
-
-
 def guess(losses: np.ndarray, k: int) -> np.ndarray:
     """+1 ("in") for the k lowest losses, −1 ("out") for the k highest, 0 (abstain) for the rest."""
     m = len(losses)
@@ -131,7 +116,9 @@ def one_run_audit(losses: np.ndarray, included: np.ndarray, k: int, delta: float
 def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: int, beta: float = 0.05,
                         delta: float | None = None, inclusion_seed: int | None = None) -> dict:
     """Draw the inclusions, train `model` once on `train` + included canaries, audit; returns the audit dict with
-    `claimed_epsilon` (from the ledger; None = ∞ for noise_multiplier=0 and for the plain Trainer) and `trainer`.
+    `claimed_epsilon` (from the ledger; None = ∞ for noise_multiplier=0 and for the plain Trainer) and the trainer as
+    `trainer_obj`. The canaries must not be private examples: only then are the audit's numbers post-processing of
+    the trained model that the DP guarantee covers (see `save_canary_audit`).
 
     `args` a `DPTrainingArguments` trains with `DPTrainer` (δ = its target_delta); a plain `TrainingArguments`
     trains with `transformers.Trainer`, the non-private control (give `delta` to state the δ to test against).
@@ -140,6 +127,7 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
 
     from ..config import DPTrainingArguments
     from ..trainer import DPTrainer
+    from .mia import classification_losses
 
     private = isinstance(args, DPTrainingArguments)
     if private and args.neighboring != "add_remove":
@@ -151,7 +139,7 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
     trainer = (DPTrainer if private else Trainer)(model=model, args=args, train_dataset=data)
     trainer.train()
     delta = args.target_delta if private else (1e-5 if delta is None else delta)
-    result = one_run_audit(example_losses(trainer.model, canaries), included, k, delta, beta)
+    result = one_run_audit(classification_losses(trainer.model, canaries), included, k, delta, beta)
     claimed = trainer.ledger.epsilon() if private else float("inf")
     result.update(claimed_epsilon=claimed if np.isfinite(claimed) else None, training_examples=len(data),
                   trainer="DPTrainer" if private else "transformers.Trainer (non-private control)",
