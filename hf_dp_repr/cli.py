@@ -9,6 +9,8 @@
 
     hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text)
 
+    hf-dp-repr audit --model out/ --members digits:train --non-members digits:test --out audit/
+
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
 `steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
 
@@ -148,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .analysis.cli import add_analyze_parser
 
     add_analyze_parser(subparsers)
+    from .audit.cli import add_audit_parser
+
+    add_audit_parser(subparsers)
     return parser
 
 

@@ -49,13 +49,14 @@ ALLOW_PATTERNS = [
     "tokenizer*.json", "tokenizer.model", "vocab.*", "merges.txt", "special_tokens_map.json",
     "preprocessor_config.json", "processor_config.json", "chat_template.*",
     "all_results.json", "eval_results.json",
-    "representation_law.json", "*.png",
+    "representation_law.json", "*.png", "canary_audit.json",
     LEDGER_FILE, CARD_FILE,
 ]  # fmt: skip
 # Never sent, whatever the allow-list says: anything in a subfolder (checkpoints, public pre-training, logs), and
 # the Trainer's files that hold private statistics or the seed.
 IGNORE_PATTERNS = ["*/*", ".*", "_*", "checkpoint-*", "training_args.bin", "trainer_state.json", "rng_state*",
-                   "optimizer.*", "scheduler.*", "scaler.*", "train_results.json"]
+                   "optimizer.*", "scheduler.*", "scaler.*", "train_results.json",
+                   "privacy_audit*"]  # hf-dp-repr audit: computed on the private members outside DP-SGD
 METRICS_FILES = ("all_results.json", "eval_results.json")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
 PUSH_LATER = "a finished run can be pushed later with `hf-dp-repr push OUTPUT_DIR --hub_model_id me/name`"

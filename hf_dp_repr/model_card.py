@@ -39,6 +39,7 @@ from .privacy.accounting import LEDGER_FILE
 TEMPLATE_NAME = "dp_model_card.md"
 RESULTS_FILE = "all_results.json"
 LAW_FILE = "representation_law.json"
+CANARY_AUDIT_FILE = "canary_audit.json"  # opt-in: hf_dp_repr.audit.canaries.save_canary_audit
 CARD_FILE = "README.md"
 TAGS = ["differential-privacy", "dp-sgd", "opacus", "hf-dp-repr"]
 NON_PRIVATE_TAGS = ["non-private-reference", "hf-dp-repr"]
@@ -147,10 +148,12 @@ def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | N
     info = ModelCardInfo.from_value(model_card_info).to_dict()
     results = _load_json(Path(output_dir) / RESULTS_FILE) if output_dir is not None else None
     laws = _load_json(Path(output_dir) / LAW_FILE) if output_dir is not None else None
+    audit = _load_json(Path(output_dir) / CANARY_AUDIT_FILE) if output_dir is not None else None
     base_model = info.get("base_model")
     hub_base = base_model if _looks_like_hub_id(base_model) else None
     datasets_ = [d for d in info.get("datasets", []) if _looks_like_hub_id(d)]
     values = _template_values(ledger, info, scope, results, laws)
+    values["canary_audit"] = _audit_row(audit)
     card_data = ModelCardData(
         library_name="transformers", tags=list(TAGS if values["private"] else NON_PRIVATE_TAGS), base_model=hub_base,
         datasets=datasets_ or None, license=info.get("license"),
@@ -227,6 +230,15 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
         has_results=results is not None,
         has_laws=laws is not None,
     )
+
+
+def _audit_row(audit: dict | None) -> dict | None:
+    """The one-run canary audit (`canary_audit.json`, written only when the user asks) as template values."""
+    if not audit:
+        return None
+    return dict(bound=_fmt(float(audit["epsilon_lower_bound"])), confidence=f"{100 * audit['confidence']:g}",
+                canaries=audit["canaries"], guesses=audit["guesses"], correct=audit["correct"],
+                delta=f"{audit['delta']:g}")
 
 
 def _reported_metric(key: str, value) -> bool:

@@ -1,0 +1,192 @@
+"""`hf-dp-repr audit`: membership inference against a saved DP run → a JSON report and a log-log ROC plot.
+
+    hf-dp-repr audit --model out/vit-dp-eps1 --members digits:train --non-members digits:test --out audit/
+    hf-dp-repr audit --model out/run --members data/private --non-members data/heldout:test \\
+        --reference-model out/ref-a --reference-model out/ref-b --out audit/
+
+Datasets: `digits:train` / `digits:test` (sklearn's digits, offline, the split `load_digits_dataset` makes), or a
+directory written by `save_to_disk` (a `Dataset`, or a `DatasetDict` as `DIR:split`), with `labels` (or `label`)
+and model inputs (`pixel_values`, or `input_ids` [+ `attention_mask`]). The members must be the examples the
+model trained on, the non-members examples from the same distribution that it did not see.
+
+Every check comes before anything is written: the model folder must hold `privacy_ledger.json` (the audit is read
+against the claimed ε); both sets non-empty; no example in both; both sets and the model on one label space.
+
+The report is evidence computed on the private members, outside DP-SGD: the DP guarantee does not cover it.
+`hf-dp-repr push` never uploads it; publish it only if you decide to.
+
+Example (in Python; on the command line the same arguments follow `hf-dp-repr audit`):
+    >>> import argparse, json, tempfile
+    >>> from hf_dp_repr.audit.cli import add_audit_parser
+    >>> folder = tempfile.mkdtemp()
+    >>> from hf_dp_repr.tiny import tiny_vit; tiny_vit().save_pretrained(folder)
+    >>> parser = argparse.ArgumentParser(); _ = add_audit_parser(parser.add_subparsers())
+    >>> args = parser.parse_args(["audit", "--model", folder, "--members", "digits:train", "--non-members",
+    ...                           "digits:test", "--out", folder + "/audit"])
+    >>> args.func(args)
+    Traceback (most recent call last):
+    SystemExit: hf-dp-repr audit: ... has no privacy_ledger.json: ... Nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..privacy.accounting import LEDGER_FILE
+from .mia import MODEL_INPUTS, calibrated_scores, classification_losses, plot_roc, roc_metrics
+
+REPORT_FILE, PLOT_FILE = "privacy_audit.json", "privacy_audit_roc.png"
+NOT_COVERED = ("Computed on the private training examples (members) outside DP-SGD: NOT covered by the DP "
+               "guarantee. hf-dp-repr push does not upload it; publish it only if you choose to.")
+
+
+def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `audit` subcommand on an argparse `subparsers` object (sets `func=run_audit`)."""
+    p = subparsers.add_parser("audit", help="membership inference against a saved DP run (report beside its ε)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="the run's folder (DPTrainer output_dir with privacy_ledger.json)")
+    p.add_argument("--members", required=True, metavar="DATASET",
+                   help="examples it trained on: digits:train or DIR[:split]")
+    p.add_argument("--non-members", required=True, metavar="DATASET", help="examples it did not see, same distribution")
+    p.add_argument("--reference-model", action="append", default=[], metavar="PATH",
+                   help="a model trained like the target on other data (none of the audited examples), for the "
+                   "calibrated attack; repeat for several")
+    p.add_argument("--out", default="privacy-audit", metavar="DIR", help=f"writes DIR/{REPORT_FILE} and the ROC PNG")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.set_defaults(func=run_audit)
+    return p
+
+
+def _fail(message: str):
+    raise SystemExit(f"hf-dp-repr audit: {message}")
+
+
+def read_claim(model_dir: str) -> dict:
+    """The claimed (ε, δ) of the run in `model_dir`, from its ledger; refuse a folder without one."""
+    path = Path(model_dir) / LEDGER_FILE
+    if not path.is_file():
+        _fail(f"{model_dir} has no {LEDGER_FILE}: the audit compares the attack with the ε the run claims, so it "
+              "needs a run saved by DPTrainer (trainer.save_model()). Nothing written.")
+    try:
+        ledger = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        _fail(f"{path} is not valid JSON ({err}). Nothing written.")
+    eps = ledger.get("epsilon")
+    return {"epsilon": math.inf if eps is None else float(eps), "delta": ledger.get("target_delta"),
+            "accountant": ledger.get("accountant"), "neighboring": ledger.get("neighboring", "add_remove")}
+
+
+def load_audit_dataset(spec: str, flag: str):
+    """`digits:train|test` or `DIR[:split]` (save_to_disk) → a Dataset with `labels`."""
+    import datasets
+
+    if spec.startswith("digits:"):
+        from ..data import load_digits_dataset
+
+        split = spec.split(":", 1)[1]
+        data = load_digits_dataset()
+        if split not in data:
+            _fail(f"{flag} {spec}: digits has splits {sorted(data)}")
+        data = data[split]
+    else:
+        path, _, split = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
+        if not Path(path).exists():
+            _fail(f"{flag} {spec}: no such directory (give a save_to_disk folder, DIR:split, or digits:train|test)")
+        try:
+            data = datasets.load_from_disk(path)
+        except IndexError:  # datasets cannot load a folder saved from an empty Dataset
+            _fail(f"{flag} {spec} is empty (datasets cannot even load it). Nothing written.")
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                _fail(f"{flag} {spec}: a DatasetDict; name a split as {path}:SPLIT, one of {sorted(data)}")
+            data = data[split]
+    if "label" in data.column_names and "labels" not in data.column_names:
+        data = data.rename_column("label", "labels")
+    if len(data) == 0:
+        _fail(f"{flag} {spec} is empty. Nothing written.")
+    if "labels" not in data.column_names or not any(c in data.column_names for c in MODEL_INPUTS[:2]):
+        _fail(f"{flag} {spec}: needs a `labels` (or `label`) column and `pixel_values` or `input_ids`; has "
+              f"{data.column_names}")
+    return data
+
+
+def _fingerprints(data) -> set[str]:
+    """A hash of each example's inputs (labels left out: a relabelled copy is still the same example)."""
+    cols = [c for c in MODEL_INPUTS if c in data.column_names]
+    rows = data.with_format("numpy")
+    out = set()
+    for start in range(0, len(rows), 512):
+        batch = rows[start:start + 512]
+        for i in range(len(batch["labels"])):
+            h = hashlib.sha256()
+            for c in cols:
+                h.update(np.ascontiguousarray(np.asarray(batch[c][i])).tobytes())
+            out.add(h.hexdigest())
+    return out
+
+
+def check_sets(members, non_members, num_labels: int) -> None:
+    """Refuse overlapping sets and label spaces that differ between the sets or from the model's."""
+    names = [getattr(d.features.get("labels"), "names", None) for d in (members, non_members)]
+    if names[0] and names[1] and names[0] != names[1]:
+        _fail(f"members and non-members have different label spaces ({names[0]} vs {names[1]}). Nothing written.")
+    for flag, data, declared in (("--members", members, names[0]), ("--non-members", non_members, names[1])):
+        if declared and len(declared) != num_labels:
+            _fail(f"{flag} declares {len(declared)} classes but the model has {num_labels} labels. Nothing written.")
+        labels = np.asarray(data.with_format("numpy")[:]["labels"])
+        if labels.min() < 0 or labels.max() >= num_labels:
+            _fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}. "
+                  "Nothing written.")
+    shared = _fingerprints(members) & _fingerprints(non_members)
+    if shared:
+        _fail(f"{len(shared)} example(s) are both members and non-members; the sets must be disjoint. Nothing written.")
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    claim = read_claim(args.model)
+    members = load_audit_dataset(args.members, "--members")
+    non_members = load_audit_dataset(args.non_members, "--non-members")
+    from ..analysis.inputs import load_model
+
+    model, _ = load_model(args.model, "cpu")
+    num_labels = int(model.config.num_labels)
+    check_sets(members, non_members, num_labels)
+    references = []
+    for path in args.reference_model:
+        ref, _ = load_model(path, "cpu")
+        if int(ref.config.num_labels) != num_labels:
+            _fail(f"--reference-model {path} has {ref.config.num_labels} labels, the model {num_labels}. "
+                  "Nothing written.")
+        references.append(ref)
+
+    losses = {name: classification_losses(model, d, args.batch_size) for name, d in
+              (("members", members), ("non_members", non_members))}
+    curves = {"loss": roc_metrics(-losses["members"], -losses["non_members"])}
+    if references:
+        ref_losses = {name: [classification_losses(r, d, args.batch_size) for r in references]
+                      for name, d in (("members", members), ("non_members", non_members))}
+        curves["calibrated"] = roc_metrics(calibrated_scores(losses["members"], ref_losses["members"]),
+                                           calibrated_scores(losses["non_members"], ref_losses["non_members"]))
+    report = {"model": str(args.model), "claimed_epsilon": None if math.isinf(claim["epsilon"]) else claim["epsilon"],
+              "claimed_delta": claim["delta"], "accountant": claim["accountant"], "neighboring": claim["neighboring"],
+              "members": len(members), "non_members": len(non_members), "reference_models": args.reference_model,
+              "attacks": {k: {m: v[m] for m in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
+                          for k, v in curves.items()},
+              "mean_loss": {k: float(v.mean()) for k, v in losses.items()}, "not_covered_by_dp": NOT_COVERED}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    eps = "∞" if math.isinf(claim["epsilon"]) else f"{claim['epsilon']:.3g}"
+    plot_roc(curves, str(out / PLOT_FILE), title=f"Membership inference ROC (claimed ε = {eps})")
+    for name, m in report["attacks"].items():
+        print(f"{name} attack: AUC {m['auc']:.3f}, TPR {m['tpr_at_1pct_fpr']:.3f} at 1% FPR, "
+              f"{m['tpr_at_0.1pct_fpr']:.3f} at 0.1% FPR (claimed ε = {eps}, δ = {claim['delta']})")
+    print(f"wrote {out / REPORT_FILE} and {out / PLOT_FILE}. {NOT_COVERED}")
+    return 0

@@ -1,0 +1,118 @@
+"""`hf-dp-repr audit`: membership inference on a saved run; every bad input refused before anything is written."""
+
+import json
+
+import pytest
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.cli import main
+from hf_dp_repr.tiny import tiny_vit
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on the shared 2-core machine, 2 threads per process under load made these tiny models'
+    training ~20× slower (spin-waiting), measured 481 s against 21 s for the same run."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def overfit_run(digits, tmp_path_factory):
+    """A clipping-only (noise_multiplier=0, ε = ∞) DPTrainer run that memorises 64 digits; saved with its ledger."""
+    tmp = tmp_path_factory.mktemp("audit-cli")
+    members, non_members = digits["train"].select(range(64)), digits["test"].select(range(64))
+    args = DPTrainingArguments(output_dir=str(tmp / "run"), noise_multiplier=0.0, target_delta=1e-3, noise_seed=0,
+                               per_device_train_batch_size=32, num_train_epochs=40, learning_rate=3e-3,
+                               per_sample_max_grad_norm=10.0, report_to="none", save_strategy="no",
+                               logging_strategy="no", disable_tqdm=True)
+    model = tiny_vit(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
+    trainer = DPTrainer(model=model, args=args, train_dataset=members)
+    trainer.train()
+    trainer.save_model()
+    members.save_to_disk(str(tmp / "members"))
+    non_members.save_to_disk(str(tmp / "non_members"))
+    model.save_pretrained(str(tmp / "no_ledger"))
+    # a reference model for the calibrated attack: trained the same way on 64 other training digits
+    args.output_dir = str(tmp / "reference")
+    reference = DPTrainer(model=tiny_vit(seed=1, hidden_size=32, num_hidden_layers=2, intermediate_size=64), args=args,
+                          train_dataset=digits["train"].select(range(64, 128)))
+    reference.train()
+    reference.save_model()
+    return tmp
+
+
+def test_audit_of_an_overfit_run(overfit_run, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["audit", "--model", str(overfit_run / "run"), "--members", str(overfit_run / "members"),
+                 "--non-members", str(overfit_run / "non_members"), "--out", str(out),
+                 "--reference-model", str(overfit_run / "reference")]) == 0
+    report = json.loads((out / "privacy_audit.json").read_text())
+    assert report["claimed_epsilon"] is None and report["members"] == report["non_members"] == 64
+    assert report["attacks"]["loss"]["auc"] > 0.75  # memorised: members have clearly lower loss
+    assert report["mean_loss"]["members"] < report["mean_loss"]["non_members"]
+    assert set(report["attacks"]) == {"loss", "calibrated"}
+    assert report["attacks"]["calibrated"]["auc"] > 0.6  # one reference model: noisier than the loss attack here
+    assert "NOT covered by the DP guarantee" in report["not_covered_by_dp"]
+    assert (out / "privacy_audit_roc.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "loss attack: AUC" in printed and "calibrated attack: AUC" in printed
+    with capsys.disabled():
+        print(printed)
+
+
+def _refused(argv, out, match):
+    with pytest.raises(SystemExit, match=match):
+        main(argv + ["--out", str(out)])
+    assert not out.exists()  # nothing written
+
+
+def test_model_without_ledger_is_refused(overfit_run, tmp_path):
+    _refused(["audit", "--model", str(overfit_run / "no_ledger"), "--members", "digits:train", "--non-members",
+              "digits:test"], tmp_path / "r", "no privacy_ledger.json")
+
+
+def test_empty_and_overlapping_sets_are_refused(overfit_run, digits, tmp_path):
+    run = str(overfit_run / "run")
+    digits["test"].select([]).save_to_disk(str(tmp_path / "empty"))
+    _refused(["audit", "--model", run, "--members", str(tmp_path / "empty"), "--non-members", "digits:test"],
+             tmp_path / "r", "is empty")
+    overlap = digits["test"].select(range(60, 70))  # rows 60..63 are also in the non-members
+    overlap.save_to_disk(str(tmp_path / "overlap"))
+    _refused(["audit", "--model", run, "--members", str(tmp_path / "overlap"), "--non-members",
+              str(overfit_run / "non_members")], tmp_path / "r", r"4 example\(s\) are both members and non-members")
+
+
+def test_mismatched_label_spaces_are_refused(overfit_run, digits, tmp_path):
+    from datasets import ClassLabel
+
+    run = str(overfit_run / "run")
+    five = digits["test"].select(range(100, 120)).cast_column("labels", ClassLabel(names=list("abcdefghij")))
+    five.save_to_disk(str(tmp_path / "renamed"))
+    _refused(["audit", "--model", run, "--members", str(overfit_run / "members"), "--non-members",
+              str(tmp_path / "renamed")], tmp_path / "r", "different label spaces")
+    digits_dd = digits  # a DatasetDict without a split named
+    digits_dd.save_to_disk(str(tmp_path / "dd"))
+    _refused(["audit", "--model", run, "--members", str(tmp_path / "dd"), "--non-members", "digits:test"],
+             tmp_path / "r", "name a split")
+
+
+def test_model_with_another_label_space_is_refused(overfit_run, tmp_path):
+    import shutil
+
+    five = tmp_path / "five"
+    tiny_vit(num_labels=5).save_pretrained(str(five))
+    shutil.copy(overfit_run / "run" / "privacy_ledger.json", five)
+    _refused(["audit", "--model", str(five), "--members", str(overfit_run / "members"), "--non-members",
+              str(overfit_run / "non_members")], tmp_path / "r", "declares 10 classes but the model has 5 labels")
+
+
+def test_audit_files_are_never_pushed(tmp_path):
+    from hf_dp_repr.hub import files_to_push
+
+    for name in ("privacy_audit.json", "privacy_audit_roc.png", "representation_law.png", "privacy_ledger.json"):
+        (tmp_path / name).write_text("x")
+    assert files_to_push(tmp_path) == ["privacy_ledger.json", "representation_law.png"]

@@ -1,0 +1,70 @@
+"""Classic multi-run audit: threshold chosen on calibration runs, Clopper–Pearson bound on the counted runs."""
+
+import numpy as np
+import pytest
+from transformers import TrainingArguments
+
+from hf_dp_repr.audit.multi_run import audit_from_losses, best_threshold, multi_run_audit
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: on the shared 2-core machine, 2 threads per process under load made these tiny models'
+    training ~20× slower (spin-waiting), measured 481 s against 21 s for the same run."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_threshold_and_counts():
+    assert best_threshold(np.array([0.1, 0.2, 0.3]), np.array([1.0, 2.0, 3.0])) == pytest.approx(0.65)
+    # 20/20 runs with the canary below the threshold, 0/20 without: the hand-worked value of test_audit_bounds
+    out = audit_from_losses(np.full(20, 0.1), np.full(20, 3.0), threshold=1.0, delta=0.0)
+    assert (out["tpr"], out["fpr"]) == (1.0, 0.0)
+    assert out["epsilon_lower_bound"] == pytest.approx(1.59677, abs=1e-4)
+    # a threshold that separates nothing proves nothing
+    assert audit_from_losses(np.full(20, 0.1), np.full(20, 0.1), 1.0, 0.0)["epsilon_lower_bound"] == 0.0
+
+
+def test_multi_run_audit_uses_calibration_runs_for_the_threshold_only():
+    calls = []
+
+    def fake(include):  # the first 2 runs each way (calibration) separate at 1.0; the counted ones at 10
+        calls.append(include)
+        n = len(calls)
+        return (0.0 if include else 2.0) if n <= 4 else (5.0 if include else 20.0)
+
+    out = multi_run_audit(fake, runs=10, calibration_runs=2, delta=0.0)
+    assert len(calls) == 24 and out["threshold"] == pytest.approx(1.0)
+    assert out["tpr"] == 0.0 and out["epsilon_lower_bound"] == 0.0  # counted runs all above the threshold
+
+
+@pytest.mark.slow
+def test_multi_run_on_digits_non_private_control(digits, tmp_path):
+    """The non-private control memorises one OOD canary: the multi-run bound is positive (16 + 16 counted runs,
+    3 + 3 calibration runs; about 8 s a run on the shared machine)."""
+    from transformers import Trainer
+
+    from hf_dp_repr.audit.canaries import make_canaries, with_canaries
+    from hf_dp_repr.audit.mia import classification_losses
+    from hf_dp_repr.tiny import tiny_vit
+
+    train = digits["train"].select(range(50))
+    canary = make_canaries(digits["test"], 1, "ood", seed=2)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, num_train_epochs=80,
+                             learning_rate=3e-3, report_to="none", save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True)
+    seeds = iter(range(1000))
+
+    def train_and_score(include):
+        model = tiny_vit(seed=next(seeds), hidden_size=32, num_hidden_layers=2, intermediate_size=64)
+        trainer = Trainer(model=model, args=args, train_dataset=with_canaries(train, canary, np.array([include])))
+        trainer.train()
+        return float(classification_losses(trainer.model, canary)[0])
+
+    out = multi_run_audit(train_and_score, runs=16, calibration_runs=3, delta=1e-5)
+    print(out)
+    assert out["tpr"] >= 0.9 and out["fpr"] <= 0.1
+    assert out["epsilon_lower_bound"] > 0.5
