@@ -81,7 +81,8 @@ class DPTrainer(DPSavingMixin, Trainer):
             check_peft_model(model)
         if model is not None:
             check_model_is_privatizable(model)
-        self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack)
+        self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack,
+                                     args.trainable_groups)
                         if model is not None else [])
         if self._scopes:
             self._scopes[-1].apply(model)
