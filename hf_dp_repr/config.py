@@ -90,6 +90,13 @@ class DPTrainingArguments(TrainingArguments):
                   "and the task head; 0 = linear probe (head only); None (default) = every parameter. Embeddings "
                   "train only with None."},
     )
+    trainable_groups: str | None = field(
+        default=None,
+        metadata={"help": "Layer selection beyond the last k blocks (exclusive with trainable_blocks): a comma-"
+                  "separated union of block selectors (an index, 'first:k', 'last:k', 'every_other', "
+                  "'every_other:odd') and named groups ('head', 'norms', 'biases', 'attention', 'mlp'), e.g. "
+                  "'biases,head' (BitFit) or 'first:2,norms,head'. Only what is named trains. A list also works."},
+    )
     block_stack: str | None = field(
         default=None,
         metadata={"help": "Dotted name of the model's list of transformer blocks (e.g. 'encoder.layer'), for models "
@@ -205,6 +212,13 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
     if args.trainable_blocks is not None and args.trainable_blocks < 0:
         raise DPConfigError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
+    if args.trainable_groups is not None:
+        from .scope_groups import parse_groups
+
+        if args.trainable_blocks is not None:
+            raise ValueError("DPTrainingArguments: trainable_blocks and trainable_groups are both set; give one (e.g. "
+                             "trainable_groups='last:2,norms,head' for the last 2 blocks, every norm and the head).")
+        parse_groups(args.trainable_groups)  # unknown names fail here, before any work
     _validate_lp_fields(args)
     if args.hub_token:
         raise DPConfigError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "

@@ -123,9 +123,18 @@ def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | Non
 
 
 def phase_scopes(model: nn.Module, trainable_blocks: int | None, lp_steps: float,
-                 block_stack: str | None = None) -> list[Scope]:
+                 block_stack: str | None = None, trainable_groups=None) -> list[Scope]:
     """The scope of each phase of a run: [] (train what requires grad), [scope], or [head, scope] when a
-    linear-probing phase (`lp_steps`) comes first."""
+    linear-probing phase (`lp_steps`) comes first. `trainable_groups` (blocks and named groups, see
+    `scope_groups`) replaces `trainable_blocks` when given."""
+    if trainable_groups is not None:
+        if trainable_blocks is not None:
+            raise ScopeError("trainable_blocks and trainable_groups are both set; give one (e.g. trainable_groups="
+                             "'last:2,norms,head' for the last 2 blocks plus every norm and the head).")
+        from .scope_groups import select_groups
+
+        last = select_groups(model, trainable_groups, block_stack)
+        return [select_scope(model, 0), last] if lp_steps else [last]
     if trainable_blocks is None and not lp_steps:
         return []
     if trainable_blocks is None:

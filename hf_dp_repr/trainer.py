@@ -83,7 +83,8 @@ class DPTrainer(DPSavingMixin, Trainer):
             check_peft_model(model)
         if model is not None:
             check_model_is_privatizable(model)
-        self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack)
+        self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack,
+                                     args.trainable_groups)
                         if model is not None else [])
         if self._scopes:
             self._scopes[-1].apply(model)
@@ -329,18 +330,53 @@ class DPTrainer(DPSavingMixin, Trainer):
             self.optimizer = None
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
+        # With model_init the Trainer makes a fresh model inside train(): features cached from this one would be stale.
         self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
-            self.model, self._scopes, self.args, self.train_dataset, self._train_dataset_and_collator)
+            self.model, [] if self.model_init is not None else self._scopes, self.args, self.train_dataset,
+            self._train_dataset_and_collator)
         if no_cache:
             logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
                            "backbone.")
+        state = "failed"
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            state = "complete"
         finally:
             self._detach_hooks()
+            if getattr(self, "_dp_search", None) is not None:
+                self._dp_search.record_run(self, state)
         output.metrics["epsilon"] = self.epsilon()
         return output
+
+    # ---- hyperparameter search ---------------------------------------------------------------------------
+    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int | None = None,
+                              direction: str = "minimize", backend="optuna", hp_name=None, tuning_data: str = "public",
+                              trial_count=None, eval_data_public: bool = False, keep_best_model: bool = True,
+                              **kwargs):
+        """The Trainer's Optuna search under DP: every trial spends exactly the target (ε, δ) and the search states
+        its own cost. `tuning_data`: "public"/"held_out" (default "public": the trials do not train on the private
+        set) or "private" (accounted with Papernot & Steinke; needs `trial_count`, a `TrialCount`, and a public
+        `eval_dataset`, stated with `eval_data_public=True`). `hp_space` returns DPTrainingArguments fields and
+        optionally `trainable_scope` ("all", "blocks:k" or a trainable_groups spec). See `hf_dp_repr.tuning.search`.
+        """
+        if str(getattr(backend, "value", backend)) != "optuna":
+            raise ValueError(f"DPTrainer.hyperparameter_search: backend={backend!r}; only 'optuna' is supported under "
+                             "DP (each trial's privacy plan is set up through it).")
+        from .tuning.search import run_search
+
+        return run_search(self, hp_space, compute_objective, n_trials, direction, hp_name, tuning_data, trial_count,
+                          eval_data_public, keep_best_model, **kwargs)
+
+    def _hp_search_setup(self, trial) -> None:
+        super()._hp_search_setup(trial)
+        if self.model_init is not None:  # a fresh model (and maybe a new scope): what trains is decided again
+            check_model_is_privatizable(self.model)
+            self._scopes = phase_scopes(self.model, self.args.trainable_blocks, self.args.lp_steps,
+                                        self.args.block_stack, self.args.trainable_groups)
+            if self._scopes:
+                self._scopes[-1].apply(self.model)
+            self._dp_optimizer = None
 
     def epsilon(self) -> float | None:
         """ε spent so far (computed by the ledger's Opacus accountant), None before training."""

@@ -1,0 +1,352 @@
+"""`DPTrainer.hyperparameter_search`: an Optuna search in which every trial spends exactly the target (ε, δ), and
+which states what the search itself costs.
+
+Each trial sets its hyperparameters on the arguments, then `train()` plans the run afresh (`plan.plan_run`), so σ
+is recalibrated for the trial's batch size, length and phases: every trial spends the target ε. Hyperparameters
+that would change the guarantee itself (target ε or δ, σ, accountant, sampling, noise seed) cannot be searched.
+
+Two modes (`tuning_data`):
+- "public" (default) or "held_out": the trials train on data that is NOT the private training set the final model
+  protects (public data, or individuals held out from it). The search spends none of the final run's budget;
+  nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row.
+- "private": the trials train on the private data, and the search is accounted with Papernot & Steinke (2022,
+  `selection_privacy`): the number of trials K is drawn from `trial_count` with OS-entropy randomness (never from
+  `args.seed`); hyperparameters are drawn independently of the data (Optuna's RandomSampler on a secret seed: an
+  adaptive sampler such as TPE, or a pruner, would let one trial depend on the private results of others, which
+  the theorem does not cover); only the best trial is released (its model, kept in memory and saved under
+  `output_dir/best_trial`, and its score); the CSV and plot then show each trial's hyperparameters and ε (data-
+  independent) but no score except the best. The score is computed on `eval_dataset` outside DP-SGD: the theorem
+  covers it only if that data is public, so the caller must state `eval_data_public=True`.
+
+Writes `hp_search_trials.csv` and `hp_search_trials.png` into `args.output_dir`.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import itertools
+import math
+import os
+import secrets
+
+from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
+from transformers.utils import logging
+
+from ..plan import plan_run
+from .selection_privacy import TrialCount, rdp_curve, search_epsilon, single_run_epsilon
+
+logger = logging.get_logger(__name__)
+
+TUNING_DATA = ("public", "held_out", "private")
+# Arguments that set the privacy schedule (σ is recalibrated from them): they change each trial's RDP curve.
+SCHEDULE_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps",
+                 "lp_steps", "lp_epsilon_fraction", "lp_per_device_train_batch_size")
+# Arguments that define the guarantee: a search over them would compare runs with different guarantees.
+FORBIDDEN_KEYS = ("target_epsilon", "target_delta", "noise_multiplier", "accountant", "neighboring",
+                  "poisson_sampling", "noise_seed", "secure_mode", "seed")
+SCOPE_KEY = "trainable_scope"  # "all", "blocks:k" (trainable_blocks=k) or a trainable_groups spec
+
+
+def default_dp_hp_space(trial, depth: int, dataset_size: int) -> dict:
+    """The default DP search space: learning rate, epochs, clipping norm and mode, logical batch, trainable scope
+    and the share of steps spent linear probing first."""
+    batches = [b for b in (32, 64, 128, 256) if b <= dataset_size // 2] or [max(1, dataset_size // 2)]
+    scopes = ["blocks:0", "blocks:1", f"blocks:{max(1, depth // 2)}", f"blocks:{depth}", "all", "biases,head",
+              "norms,head"]
+    params = {
+        "learning_rate": trial.suggest_float("learning_rate", 1e-4, 3e-2, log=True),
+        "num_train_epochs": trial.suggest_categorical("num_train_epochs", [2, 5, 10]),
+        "per_sample_max_grad_norm": trial.suggest_float("per_sample_max_grad_norm", 0.1, 10.0, log=True),
+        "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", batches),
+        "clipping": trial.suggest_categorical("clipping", ["flat", "automatic"]),
+        SCOPE_KEY: trial.suggest_categorical(SCOPE_KEY, list(dict.fromkeys(scopes))),
+    }
+    if params[SCOPE_KEY] != "blocks:0":  # no probing phase before a linear probe
+        params["lp_steps"] = trial.suggest_categorical("lp_steps", [0.0, 0.1, 0.3])
+    return params
+
+
+def scope_arguments(value) -> dict:
+    """trainable_blocks / trainable_groups for a `trainable_scope` choice."""
+    if value in (None, "all"):
+        return {"trainable_blocks": None, "trainable_groups": None}
+    if isinstance(value, str) and value.startswith("blocks:"):
+        return {"trainable_blocks": int(value.split(":")[1]), "trainable_groups": None}
+    return {"trainable_blocks": None, "trainable_groups": value}
+
+
+class DPSearch:
+    """The state of one `DPTrainer.hyperparameter_search`: the arguments' baseline, the trials' records, the
+    privacy schedules the search space can draw (mode "private")."""
+
+    def __init__(self, trainer, hp_space, tuning_data: str, trial_count: TrialCount | None):
+        self.trainer, self.user_space, self.tuning_data, self.trial_count = trainer, hp_space, tuning_data, trial_count
+        self.baseline = copy.deepcopy(trainer.args)
+        self.records: list[dict] = []
+        self.schedule_choices: dict[str, list] = {}
+        self._curves: dict[tuple, object] = {}
+
+    # ---- each trial ---------------------------------------------------------------------------------
+    def space(self, trial) -> dict:
+        """Called by the Trainer's `_hp_search_setup`: sets the trial's arguments itself (the Trainer would cast
+        0.3 to int for an argument whose current value is 0) and returns nothing left to set."""
+        from ..config import _validate_dp_fields
+
+        params = dict(self.user_space(trial))
+        bad = sorted(set(params) & set(FORBIDDEN_KEYS))
+        if bad:
+            raise ValueError(f"hyperparameter_search: hp_space sets {bad}, which define the privacy guarantee itself; "
+                             "every trial must spend the same target (ε, δ). Fix them in DPTrainingArguments.")
+        if SCOPE_KEY in params:
+            params.update(scope_arguments(params.pop(SCOPE_KEY)))
+        args = self.trainer.args
+        for key in set(vars(self.baseline)) & ({k for r in self.records for k in r["_set"]} | set(params)):
+            setattr(args, key, copy.deepcopy(getattr(self.baseline, key)))  # forget the previous trial's values
+        unknown = [k for k in params if not hasattr(args, k)]
+        if unknown:
+            raise ValueError(f"hyperparameter_search: hp_space returns {unknown}, which are not DPTrainingArguments "
+                             f"fields (nor '{SCOPE_KEY}').")
+        for key, value in params.items():
+            setattr(args, key, value)
+        _validate_dp_fields(args)
+        if self.tuning_data == "private":
+            self._note_schedule_choices(trial, params)
+        self.records.append({"trial": trial.number, "_set": list(params), "params": params})
+        return {}
+
+    def _note_schedule_choices(self, trial, params: dict) -> None:
+        from optuna.distributions import CategoricalDistribution
+
+        for key in SCHEDULE_KEYS:
+            if key not in params:
+                continue
+            dist = trial.distributions.get(key)
+            if not isinstance(dist, CategoricalDistribution):
+                raise ValueError(f"hyperparameter_search(tuning_data='private'): '{key}' sets the privacy schedule, so "
+                                 "the search cost is bounded over every value it can take; suggest it with "
+                                 "trial.suggest_categorical (a finite set), not a continuous range.")
+            self.schedule_choices[key] = sorted(set(self.schedule_choices.get(key, [])) | set(dist.choices),
+                                                key=repr)
+
+    def record_run(self, trainer, state: str) -> None:
+        """After a trial's train(): its planned and spent ε, σ and schedule."""
+        if not self.records or trainer.ledger is None:
+            return
+        led = trainer.ledger
+        self.records[-1].update(
+            state=state, epsilon_planned=led.planned_epsilon(), epsilon_spent=led.epsilon(),
+            sigma=" / ".join(f"{p.noise_multiplier:.4f}" for p in led.phases),
+            sample_rate=" / ".join(f"{p.sample_rate:.4f}" for p in led.phases),
+            steps=" / ".join(str(p.steps) for p in led.phases), scope=trainer.describe_scope(),
+            epsilon_trial_rdp=single_run_epsilon(rdp_curve(led.history), led.target_delta))
+
+    # ---- the whole search -----------------------------------------------------------------------------
+    def worst_curve(self, dataset_size: int):
+        """The pointwise largest RDP curve over every schedule the space can draw (the cartesian product of the
+        categorical choices seen for the schedule keys, with the baseline for the rest)."""
+        import numpy as np
+
+        keys = sorted(self.schedule_choices)
+        worst = None
+        for values in itertools.product(*(self.schedule_choices[k] for k in keys)):
+            if values not in self._curves:
+                args = copy.deepcopy(self.baseline)
+                for k, v in zip(keys, values):
+                    setattr(args, k, v)
+                try:
+                    plan = plan_run(args, dataset_size)
+                except ValueError:
+                    self._curves[values] = None  # a combination that cannot run releases nothing
+                    continue
+                self._curves[values] = rdp_curve([(p.noise_multiplier, p.sample_rate, p.steps) for p in plan.phases])
+            curve = self._curves[values]
+            if curve is not None:
+                worst = curve if worst is None else np.maximum(worst, curve)
+        return worst
+
+    def total_epsilon(self, dataset_size: int) -> float | None:
+        if self.tuning_data != "private":
+            return None
+        curve = self.worst_curve(dataset_size)
+        return None if curve is None else search_epsilon(curve, self.trial_count, self.baseline.target_delta)
+
+
+def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | None = None,
+               direction: str = "minimize", hp_name=None, tuning_data: str = "public",
+               trial_count: TrialCount | None = None, eval_data_public: bool = False, keep_best_model: bool = True,
+               **study_kwargs) -> BestRun | None:
+    """The body of `DPTrainer.hyperparameter_search` (see the module docstring)."""
+    import optuna
+
+    args = trainer.args
+    _check_request(trainer, n_trials, direction, tuning_data, trial_count, eval_data_public, study_kwargs)
+    n = len(trainer.train_dataset)
+    if hp_space is None:
+        from ..scope import find_block_stack
+
+        depth = len(find_block_stack(trainer.call_model_init())[1])
+        hp_space = lambda trial: default_dp_hp_space(trial, depth, n)  # noqa: E731
+    search = DPSearch(trainer, hp_space, tuning_data, trial_count)
+    private = tuning_data == "private"
+    if private:
+        n_trials = trial_count.sample()  # secret randomness: OS entropy, never args.seed
+        study_kwargs["sampler"] = optuna.samplers.RandomSampler(seed=secrets.randbits(32))
+        study_kwargs["pruner"] = optuna.pruners.NopPruner()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # its log line for each trial prints the private score
+        logger.warning(f"hyperparameter_search on PRIVATE data: the number of trials was drawn from "
+                       f"{trial_count.describe()} with OS-entropy randomness; hyperparameters from a RandomSampler "
+                       "on a secret seed, no pruning; only the best trial is released.")
+    else:
+        study_kwargs.setdefault("sampler", optuna.samplers.TPESampler(seed=args.seed))
+        logger.warning(f"hyperparameter_search on {tuning_data.upper()} data (tuning_data={tuning_data!r}): the "
+                       "trials' training set is assumed NOT to be the private set the final model protects, so the "
+                       "search is not charged to its budget. Use tuning_data='private' to tune on private data.")
+    trainer.hp_search_backend = HPSearchBackend.OPTUNA
+    trainer.hp_space, trainer.hp_name = search.space, hp_name
+    trainer.compute_objective = compute_objective or default_compute_objective
+    trainer._dp_search = search
+    best = {"value": None, "state": None}
+    sign = 1 if direction == "maximize" else -1
+
+    def objective(trial):
+        trainer.objective = None
+        trainer.train(trial=trial)
+        if getattr(trainer, "objective", None) is None:
+            trainer.objective = trainer.compute_objective(trainer.evaluate())
+        if keep_best_model and (best["value"] is None or sign * trainer.objective > sign * best["value"]):
+            best["value"] = trainer.objective
+            best["state"] = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+        return trainer.objective
+
+    study = optuna.create_study(direction=direction, **study_kwargs)
+    try:
+        if n_trials:
+            study.optimize(objective, n_trials=n_trials)
+    finally:
+        trainer.hp_search_backend = None
+        trainer._dp_search = None
+        args.__dict__.update(copy.deepcopy(search.baseline).__dict__)
+    total = search.total_epsilon(n)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    best_trial = study.best_trial if done else None
+    _write_table(args.output_dir, search, study, best_trial, total)
+    _announce(search, total, best_trial, args.target_epsilon)
+    if best_trial is None:
+        logger.warning("hyperparameter_search: no trial completed (K = 0 was drawn, or every trial failed); "
+                       "nothing is released.")
+        return None
+    if keep_best_model and best["state"] is not None:
+        trainer.model = trainer.call_model_init()
+        trainer.model.load_state_dict(best["state"])
+        trainer.model_wrapped = trainer.model
+        trainer.save_model(os.path.join(args.output_dir, "best_trial"))
+    return BestRun(str(best_trial.number), best_trial.value, best_trial.params)
+
+
+def _check_request(trainer, n_trials, direction, tuning_data, trial_count, eval_data_public, study_kwargs) -> None:
+    args = trainer.args
+    if tuning_data not in TUNING_DATA:
+        raise ValueError(f"hyperparameter_search: tuning_data={tuning_data!r}; use one of {TUNING_DATA} ('public' or "
+                         "'held_out': the trials do not train on the private set; 'private': accounted).")
+    if trainer.model_init is None:
+        raise ValueError("hyperparameter_search: pass model_init= to DPTrainer (each trial starts from a fresh model).")
+    if args.target_epsilon is None:
+        raise ValueError("hyperparameter_search needs target_epsilon (each trial's σ is calibrated so that it spends "
+                         "exactly that ε); with a fixed noise_multiplier every trial would spend a different ε.")
+    if direction not in ("minimize", "maximize"):
+        raise ValueError(f"hyperparameter_search: direction={direction!r}; one objective, 'minimize' or 'maximize'.")
+    if tuning_data != "private":
+        if trial_count is not None:
+            raise ValueError("hyperparameter_search: trial_count is for tuning_data='private' (a random number of "
+                             "trials, accounted); with public or held-out data give n_trials.")
+        if not n_trials or n_trials < 1:
+            raise ValueError(f"hyperparameter_search: n_trials={n_trials}; give the number of trials (>= 1).")
+        return
+    if n_trials is not None:
+        raise ValueError("hyperparameter_search(tuning_data='private'): the number of trials must be random and "
+                         "secret for the Papernot-Steinke bound; give trial_count=TrialCount.geometric(γ) (or "
+                         ".negative_binomial / .logarithmic / .poisson) instead of n_trials.")
+    if not isinstance(trial_count, TrialCount):
+        raise ValueError("hyperparameter_search(tuning_data='private') needs trial_count=TrialCount.geometric(γ), "
+                         "e.g. γ = 0.1 for 10 trials on average.")
+    if not eval_data_public:
+        raise ValueError("hyperparameter_search(tuning_data='private'): each trial is scored on eval_dataset outside "
+                         "DP-SGD; the Papernot-Steinke bound covers the selection only if that data is public. Pass "
+                         "a public validation set as eval_dataset and state eval_data_public=True.")
+    if args.neighboring != "add_remove":
+        raise ValueError("hyperparameter_search(tuning_data='private'): the search is accounted with RDP for "
+                         "add/remove neighbours; set neighboring='add_remove'.")
+    if any(k in study_kwargs for k in ("sampler", "pruner")):
+        raise ValueError("hyperparameter_search(tuning_data='private'): the sampler and pruner are fixed (random "
+                         "hyperparameters from a secret seed, no pruning): an adaptive sampler or a pruner makes "
+                         "one trial depend on the private results of others, which the bound does not cover.")
+    if args.save_strategy != "no" or args.push_to_hub:
+        raise ValueError("hyperparameter_search(tuning_data='private'): only the best trial may be released; set "
+                         "save_strategy='no' and push_to_hub=False (the best trial is saved to output_dir/best_trial).")
+    if args.noise_seed is not None:
+        logger.warning("hyperparameter_search: noise_seed is set, so no trial is private (testing only).")
+
+
+def _write_table(output_dir: str, search: DPSearch, study, best_trial, total: float | None) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    private = search.tuning_data == "private"
+    trials = {t.number: t for t in study.trials}
+    keys = sorted({k for r in search.records for k in r["params"]})
+    rows = []
+    for r in search.records:
+        t = trials.get(r["trial"])
+        shown = not private or (best_trial is not None and t.number == best_trial.number)
+        rows.append({"trial": r["trial"], "state": t.state.name if t else r.get("state"),
+                     **{k: r["params"].get(k, "") for k in keys},
+                     "scope": r.get("scope", ""), "sigma": r.get("sigma", ""), "sample_rate": r.get("sample_rate", ""),
+                     "steps": r.get("steps", ""), "epsilon_planned": r.get("epsilon_planned", ""),
+                     "epsilon_spent": r.get("epsilon_spent", ""), "epsilon_trial_rdp": r.get("epsilon_trial_rdp", ""),
+                     "objective": (t.value if t is not None and t.value is not None and shown
+                                   else ("withheld (private)" if private else "")),
+                     "tuning_data": search.tuning_data,
+                     "epsilon_search_total": "" if total is None else total})
+    path = os.path.join(output_dir, "hp_search_trials.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["trial"])
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(os.path.join(output_dir, "hp_search_trials.png"), rows, search.baseline.target_epsilon, total, private)
+
+
+def _plot(path: str, rows: list[dict], target: float, total: float | None, private: bool) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.6))
+    ax_obj, ax_eps = fig.subplots(1, 2)
+    xs = [r["trial"] for r in rows]
+    scored = [(r["trial"], r["objective"]) for r in rows if isinstance(r["objective"], float)]
+    if scored:
+        ax_obj.plot(*zip(*scored), "o-")
+    ax_obj.set(xlabel="trial", ylabel="objective", title="objective" + (" (only the best is released)" if private
+                                                                         else ""))
+    eps = [r["epsilon_spent"] if isinstance(r["epsilon_spent"], float) else 0.0 for r in rows]
+    ax_eps.bar(xs, eps, label="ε of each trial")
+    ax_eps.axhline(target, color="k", ls=":", label=f"target ε = {target:g}")
+    if total is not None and math.isfinite(total):
+        ax_eps.axhline(total, color="r", label=f"whole search ε = {total:.3g}")
+    ax_eps.set(xlabel="trial", ylabel="ε", title="privacy")
+    ax_eps.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _announce(search: DPSearch, total, best_trial, target) -> None:
+    lines = [f"hyperparameter_search ({search.tuning_data} data): {len(search.records)} trials"]
+    for r in search.records:
+        eps = r.get("epsilon_spent")
+        lines.append(f"  trial {r['trial']}: ε = {eps:.4f} (target {target:g}), σ = {r.get('sigma')}, "
+                     f"{r.get('steps')} steps" if eps is not None else f"  trial {r['trial']}: did not train")
+    if total is not None:
+        lines.append(f"  whole search (Papernot-Steinke, {search.trial_count.describe()}): ε = {total:.4f} at δ = "
+                     f"{search.baseline.target_delta:g}")
+    else:
+        lines.append(f"  whole search: not charged to the private budget (tuning_data={search.tuning_data!r})")
+    if best_trial is not None:
+        lines.append(f"  best trial {best_trial.number}: {best_trial.params}")
+    logger.warning("\n".join(lines))

@@ -1,0 +1,136 @@
+"""`DPTrainer.hyperparameter_search`: every trial spends the target ε, the search states its cost, and what a
+search on private data may not do is refused."""
+
+import csv
+import os
+
+import numpy as np
+import optuna
+import pytest
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.plan import plan_run
+from hf_dp_repr.tiny import tiny_vit
+from hf_dp_repr.tuning.selection_privacy import TrialCount, rdp_curve, search_epsilon
+
+TARGET = 2.0
+
+
+def accuracy(p):
+    return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+
+
+def make_trainer(digits, tmp_path, n=256, **kw):
+    kw = {"eval_strategy": "no", "accountant": "rdp", **kw}  # RDP: calibrating σ costs less CPU than PRV
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=TARGET, target_delta=1e-4, report_to="none",
+                               save_strategy="no", disable_tqdm=True, logging_strategy="no",
+                               per_device_eval_batch_size=512, **kw)
+    return DPTrainer(model_init=lambda: tiny_vit(), args=args, train_dataset=digits["train"].select(range(n)),
+                     eval_dataset=digits["test"].select(range(120)), compute_metrics=accuracy)
+
+
+def small_space(trial):
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-2, log=True),
+            "max_steps": trial.suggest_categorical("max_steps", [2, 4]),
+            "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [32, 64]),
+            "trainable_scope": trial.suggest_categorical("trainable_scope", ["blocks:1", "all", "biases,head"]),
+            "lp_steps": trial.suggest_categorical("lp_steps", [0.0, 0.5])}
+
+
+def space(trial):
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-2, log=True),
+            "num_train_epochs": trial.suggest_categorical("num_train_epochs", [1, 2]),
+            "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [32, 128]),
+            "trainable_scope": trial.suggest_categorical("trainable_scope", ["blocks:1", "all", "biases,head"]),
+            "lp_steps": trial.suggest_categorical("lp_steps", [0.0, 0.3])}
+
+
+def read_rows(tmp_path):
+    with open(os.path.join(tmp_path, "hp_search_trials.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def check_four_trial_search(trainer, hp_space, tmp_path):
+    best = trainer.hyperparameter_search(hp_space=hp_space, n_trials=4, direction="maximize")
+    rows = read_rows(tmp_path)
+    assert len(rows) == 4 and {r["tuning_data"] for r in rows} == {"public"}
+    for r in rows:
+        assert float(r["epsilon_spent"]) == pytest.approx(TARGET, rel=0.01)
+        assert r["epsilon_search_total"] == ""  # public data: not charged, and the CSV says so
+    # σ is recalibrated per trial: the schedules that differ in (batch, length) get different σ
+    schedules = {(r["per_device_train_batch_size"], r.get("num_train_epochs"), r.get("max_steps")):
+                 r["sigma"].split(" / ")[0] for r in rows}
+    if len(schedules) > 1:
+        assert len(set(schedules.values())) == len(schedules)
+    assert best.objective == max(float(r["objective"]) for r in rows)
+    assert os.path.exists(tmp_path / "hp_search_trials.png")
+    assert os.path.exists(tmp_path / "best_trial" / "model.safetensors")
+    # the arguments are back to what the user gave after the search
+    assert trainer.args.per_device_train_batch_size == 8 and trainer.args.lp_steps == 0
+
+
+def test_four_trial_search_every_trial_spends_the_target(digits, tmp_path):
+    check_four_trial_search(make_trainer(digits, tmp_path), small_space, tmp_path)
+
+
+@pytest.mark.slow
+def test_four_trial_search_on_all_of_digits_with_evaluation_every_epoch(digits, tmp_path):
+    # The acceptance run: the whole digits training set, 1 or 2 epochs per trial, evaluated every epoch.
+    check_four_trial_search(make_trainer(digits, tmp_path, n=1437, eval_strategy="epoch"), space, tmp_path)
+
+
+class PruneAfterFirstTrial(optuna.pruners.BasePruner):
+    def prune(self, study, trial):
+        return trial.number > 0
+
+
+def test_pruning_goes_through_evaluation(digits, tmp_path):
+    trainer = make_trainer(digits, tmp_path, eval_strategy="epoch")
+    fixed = lambda t: {"num_train_epochs": t.suggest_categorical("num_train_epochs", [2]),  # noqa: E731
+                       "per_device_train_batch_size": t.suggest_categorical("per_device_train_batch_size", [64])}
+    trainer.hyperparameter_search(hp_space=fixed, n_trials=2, direction="maximize", pruner=PruneAfterFirstTrial())
+    first, second = read_rows(tmp_path)
+    assert (first["state"], second["state"]) == ("COMPLETE", "PRUNED")
+    assert float(second["epsilon_spent"]) < float(second["epsilon_planned"])  # stopped after its first epoch
+
+
+def test_private_search_reports_the_papernot_steinke_total(digits, tmp_path):
+    trainer = make_trainer(digits, tmp_path)
+    small = lambda t: {"max_steps": t.suggest_categorical("max_steps", [2, 4]),  # noqa: E731
+                       "per_device_train_batch_size": t.suggest_categorical("per_device_train_batch_size", [32, 64])}
+    best = trainer.hyperparameter_search(hp_space=small, direction="maximize", tuning_data="private",
+                                         trial_count=TrialCount.geometric(0.5), eval_data_public=True)
+    rows = read_rows(tmp_path)
+    assert rows and best is not None
+    # By hand: the worst RDP curve over the 4 schedules the space can draw, through the Papernot-Steinke bound
+    # (whose formulas test_tuning_privacy checks against hand computations).
+    curves = []
+    for steps in (2, 4):
+        for batch in (32, 64):
+            args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=TARGET, target_delta=1e-4,
+                                       max_steps=steps, per_device_train_batch_size=batch, report_to="none",
+                                       accountant="rdp")
+            curves.append(rdp_curve([(p.noise_multiplier, p.sample_rate, p.steps) for p in plan_run(args, 256).phases]))
+    expected = search_epsilon(np.max(curves, axis=0), TrialCount.geometric(0.5), 1e-4)
+    for r in rows:
+        assert float(r["epsilon_search_total"]) == pytest.approx(expected, rel=1e-9)
+        assert float(r["epsilon_spent"]) == pytest.approx(TARGET, rel=0.01)
+        assert TARGET < expected
+        assert r["tuning_data"] == "private"
+        assert r["objective"] == "withheld (private)" or r["trial"] == best.run_id  # only the best score leaves
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tuning_data="private", n_trials=4, eval_data_public=True), "must be random and secret"),
+    (dict(tuning_data="private", trial_count=TrialCount.geometric(0.5)), "eval_data_public=True"),
+    (dict(tuning_data="private", trial_count=TrialCount.geometric(0.5), eval_data_public=True,
+          sampler=optuna.samplers.TPESampler()), "adaptive sampler"),
+    (dict(n_trials=2, hp_space=lambda t: {"target_epsilon": 8.0}), "define the privacy guarantee"),
+    (dict(tuning_data="private", trial_count=TrialCount.geometric(0.5), eval_data_public=True,
+          hp_space=lambda t: {"max_steps": t.suggest_int("max_steps", 2, 4)}), "suggest_categorical"),
+    (dict(tuning_data="somewhere", n_trials=2), "tuning_data='somewhere'"),
+])
+def test_what_cannot_be_private_is_refused(kw, match, digits, tmp_path):
+    trainer = make_trainer(digits, tmp_path, max_steps=2)
+    with pytest.raises(ValueError, match=match):
+        trainer.hyperparameter_search(direction="maximize", **kw)
