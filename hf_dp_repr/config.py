@@ -119,6 +119,19 @@ class DPTrainingArguments(TrainingArguments):
                   "runs in eval mode), so an epoch costs a head-sized step. None (default): when the dataset has no "
                   "transform; False: never (e.g. with random augmentation); True: always."},
     )
+    privacy_unit: str = field(
+        default="row",
+        metadata={"help": "What one unit of privacy is: 'row' (one training example, the default) or the name of a "
+                  "training-set column (e.g. 'document_id', 'user_id'): all rows sharing a value are one unit, "
+                  "sampled together, their gradients summed and clipped to C as one contribution, and ε protects one "
+                  "unit. per_device_train_batch_size then counts units. The column is consumed by DPTrainer."},
+    )
+    max_rows_per_unit: int | None = field(
+        default=None,
+        metadata={"help": "With a privacy_unit column: at most this many rows of a sampled unit enter a step (a "
+                  "subset drawn with the run's secret randomness); bounds the rows per step when a unit is large. "
+                  "None (default): all of its rows."},
+    )
     # Trainer's own clipping would clip the *non-private* summed gradient and log its norm: a leak.
     max_grad_norm: float = field(
         default=0.0,
@@ -200,6 +213,7 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise ValueError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
     _validate_lp_fields(args)
+    _validate_unit_fields(args)
     if args.hub_token:
         raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
@@ -249,6 +263,27 @@ def check_hub_strategy(args: TrainingArguments) -> None:
             "save) or 'end', keep checkpoints local for resuming, and push the finished run with trainer.push_to_hub() "
             "or `hf-dp-repr push OUTPUT_DIR --hub_model_id me/name`."
         )
+
+
+def _validate_unit_fields(args: DPTrainingArguments) -> None:
+    unit = args.privacy_unit
+    if not isinstance(unit, str) or not unit:
+        raise ValueError(f"DPTrainingArguments: privacy_unit={unit!r} must be 'row' or the name of a training-set "
+                         "column (e.g. 'document_id').")
+    if unit == "row":
+        if args.max_rows_per_unit is not None:
+            raise ValueError("DPTrainingArguments: max_rows_per_unit is set but privacy_unit='row' (one row per "
+                             "unit). Set privacy_unit to the unit column or drop max_rows_per_unit.")
+        return
+    if args.max_rows_per_unit is not None and args.max_rows_per_unit < 1:
+        raise ValueError(f"DPTrainingArguments: max_rows_per_unit={args.max_rows_per_unit} must be >= 1 (or None).")
+    if not args.poisson_sampling:
+        raise ValueError(f"DPTrainingArguments: privacy_unit={unit!r} needs poisson_sampling=True: units are drawn "
+                         "by Poisson sampling (fixed-size shuffled batches of units are not implemented).")
+    if args.cache_features:
+        raise ValueError(f"DPTrainingArguments: cache_features=True with privacy_unit={unit!r}: cached linear-probe "
+                         "features are per row and lose the unit column. Drop cache_features (the backbone then runs "
+                         "each step).")
 
 
 def _validate_lp_fields(args: DPTrainingArguments) -> None:
