@@ -213,7 +213,7 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise ValueError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
     _validate_lp_fields(args)
-    _validate_unit_fields(args)
+    check_privacy_unit(args)
     if args.hub_token:
         raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
@@ -265,7 +265,9 @@ def check_hub_strategy(args: TrainingArguments) -> None:
         )
 
 
-def _validate_unit_fields(args: DPTrainingArguments) -> None:
+def check_privacy_unit(args: DPTrainingArguments) -> None:
+    """Refuse privacy_unit / max_rows_per_unit values and combinations that units do not support (also for callers
+    that set `args.privacy_unit` after parsing, as the causal-LM recipe does)."""
     unit = args.privacy_unit
     if not isinstance(unit, str) or not unit:
         raise ValueError(f"DPTrainingArguments: privacy_unit={unit!r} must be 'row' or the name of a training-set "

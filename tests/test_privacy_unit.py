@@ -184,3 +184,33 @@ def test_missing_or_absent_unit_column_is_refused_before_training(digits, tmp_pa
     with pytest.raises(ValueError, match="missing value"):
         DPTrainer(model=tiny_vit(num_labels=10, seed=0), args=args, train_dataset=holes)
     assert not (tmp_path / "x").exists()
+
+
+def test_unit_ids_of_a_torch_formatted_dataset_are_values_not_tensors(digits):
+    """A torch-formatted int column gives 0-d tensors, which hash by identity: every row would be its own unit."""
+    from hf_dp_repr.privacy.units import column_values
+
+    data = Dataset.from_dict({"x": [0, 1, 2, 3], "document_id": [5, 5, 6, 5]}).with_format("torch")
+    assert unit_rows(column_values(data, "document_id"))[1] == 2
+    as_dicts = [dict(row) for row in data]  # a plain map-style dataset of dicts holding tensors
+    assert unit_rows(column_values(as_dicts, "document_id"))[1] == 2
+
+
+def test_causal_lm_recipe_unit_flag(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    from dp_causal_lm import document_level
+
+    def args(**kw):
+        return DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, report_to="none", **kw)
+
+    default = args()
+    assert document_level(default, set()) and default.privacy_unit == "document_id"
+    block = args(privacy_unit="block")
+    assert not document_level(block, {"privacy_unit"}) and block.privacy_unit == "row"
+    with pytest.raises(ValueError, match="needs poisson_sampling=True"):
+        document_level(args(poisson_sampling=False), set())  # re-checked after the recipe sets the unit
+    with pytest.raises(ValueError, match="supports 'document_id'"):
+        document_level(args(privacy_unit="user_id"), {"privacy_unit"})

@@ -151,7 +151,19 @@ def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path, cap
                          pad_token_id=tok.pad_token_id)
     assert out.shape[1] > 1
     card = (tmp_path / "README.md").read_text()
-    assert "to train the tokenizer" in card and "one block is one unit of privacy" in card
+    assert "to train the tokenizer" in card and "one document (all its blocks) is one unit of privacy" in card
+    # document-level by default: the card says so, and its ε is the accountant's ε over documents
+    ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
+    docs = lm_recipe.load_documents(lm_recipe.LMArguments())["train"]
+    n_private = len(docs) - len(docs) // 2  # public_fraction 0.5 of a tiny config: train_test_split's test side
+    assert ledger["privacy_unit"] == "document_id" and ledger["dataset_size"] == n_private
+    assert ledger["phases"][0]["sample_rate"] == pytest.approx(32 / n_private)
+    assert "| unit of privacy | one document (all rows sharing a document_id) |" in card
+    assert "document_id-level (ε, δ)-DP" in card
+    from hf_dp_repr.privacy.accounting import compute_epsilon
+
+    assert metrics["epsilon"] == pytest.approx(compute_epsilon([(ledger["phases"][0]["noise_multiplier"],
+                                                                 32 / n_private, 4)], 1e-5))
     printed = capsys.readouterr().out  # the result table, with a sample from the DP model
     assert "| test perplexity" in printed and "| ε spent" in printed and "| DP steps  " in printed
     assert "| sample (greedy, DP model) | 'Return the" in printed

@@ -66,14 +66,16 @@ def column_values(dataset, column: str) -> list:
         if column not in names:
             raise ValueError(f"DPTrainer: privacy_unit={column!r} but the training set has no such column (columns: "
                              f"{names}). Add the column, or use privacy_unit='row'.")
-        return list(dataset[column])
+        plain = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset
+        return list(plain[column])  # Python values: a torch format would give 0-d tensors, each its own "unit"
     values = []
     for i in range(len(dataset)):
         row = dataset[i]
         if not isinstance(row, dict) or column not in row:
             raise ValueError(f"DPTrainer: privacy_unit={column!r} but row {i} of the training set has no such key. "
                              "Every row must carry its unit, or use privacy_unit='row'.")
-        values.append(row[column])
+        value = row[column]
+        values.append(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
     return values
 
 
