@@ -214,3 +214,40 @@ def test_causal_lm_recipe_unit_flag(tmp_path):
         document_level(args(poisson_sampling=False), set())  # re-checked after the recipe sets the unit
     with pytest.raises(ValueError, match="supports 'document_id'"):
         document_level(args(privacy_unit="user_id"), {"privacy_unit"})
+
+
+@pytest.mark.slow
+def test_two_processes_clip_each_unit_once(tmp_path):
+    """2 processes under accelerate launch (gloo): each unit goes whole to one rank, so the σ = 0, q = 1 update
+    (every unit clipped to C = 0.05, far below its gradient) equals the 1-process one and the brute-force sum of
+    per-user clipped gradients. A unit split over the ranks would be clipped twice and add up to 2C."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_ddp_accelerate import ACCEL_CONFIG, _free_port
+
+    root = Path(__file__).resolve().parents[1]
+    script = str(root / "tests" / "privacy_unit_ddp_script.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root),
+           "ACCELERATE_USE_CPU": "true"}  # gloo on a CPU machine, as the recipes set it
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    for cmd in ([sys.executable, script, str(one), "6", "1"],
+                [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
+                 "--main_process_port", str(_free_port()), script, str(two), "3", "1"]):
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = torch.load(one), torch.load(two)
+    assert (a["world_size"], b["world_size"]) == (1, 2)
+    assert a["dataset_size"] == b["dataset_size"] == 6 and a["sample_rate"] == b["sample_rate"] == 1.0
+    assert norm_of_difference(a["update"], b["update"]) < 1e-5
+    want = brute_force_unit_sum(user_dataset_for_script(), 0.05)
+    assert norm_of_difference({n: b["update"][n] for n in want}, want) < 1e-5
+
+
+def user_dataset_for_script():
+    from hf_dp_repr.data import load_digits_dataset
+    from privacy_unit_ddp_script import USERS as SCRIPT_USERS
+
+    return user_dataset(load_digits_dataset(), SCRIPT_USERS)
