@@ -132,6 +132,29 @@ class DPTrainingArguments(TrainingArguments):
                   "subset drawn with the run's secret randomness); bounds the rows per step when a unit is large. "
                   "None (default): all of its rows."},
     )
+    # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.continual) ----
+    public_switch: str = field(
+        default="fixed",
+        metadata={"help": "When a run with a public_train_dataset switches from non-private public training to DP-SGD: "
+                  "'fixed' (after public_max_steps), 'decelerator' (when the DP noise term (η²/2)σ²C²tr(H)/B² falls "
+                  "below decelerator_threshold × the first-order decrease, seed 004) or 'plateau' (public eval loss).",
+                  "choices": ("fixed", "decelerator", "plateau")},
+    )
+    public_max_steps: int = field(default=0, metadata={
+        "help": "Non-private steps on the public training set: the switch step ('fixed') or the most before it."})
+    public_check_steps: int = field(default=10, metadata={
+        "help": "Every this many steps: tr(H) (Hutchinson, public batch), the decelerator and the switch test."})
+    public_learning_rate: float | None = field(default=None, metadata={
+        "help": "Learning rate of the public phase (default: learning_rate), constant."})
+    public_per_device_train_batch_size: int | None = field(default=None, metadata={
+        "help": "Batch size of the public phase (default: per_device_train_batch_size)."})
+    decelerator_threshold: float = field(default=0.5, metadata={
+        "help": "public_switch='decelerator': switch when noise term / first-order decrease falls below this."})
+    public_plateau_patience: int = field(default=3, metadata={
+        "help": "public_switch='plateau': switch after this many checks without a better public eval loss."})
+    hessian_probes: int = field(default=8, metadata={"help": "Rademacher probes per Hutchinson tr(H) estimate."})
+    hessian_max_examples: int = field(default=32, metadata={
+        "help": "Public examples in the batch tr(H) and the first-order decrease are measured on."})
     # Trainer's own clipping would clip the *non-private* summed gradient and log its norm: a leak.
     max_grad_norm: float = field(
         default=0.0,
@@ -214,6 +237,13 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
                          "(0 = linear probe: head only; None = train every parameter).")
     _validate_lp_fields(args)
     check_privacy_unit(args)
+    if args.public_switch not in ("fixed", "decelerator", "plateau"):
+        raise ValueError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' or "
+                         "'plateau'.")
+    for name in ("public_max_steps", "public_check_steps", "hessian_probes", "hessian_max_examples",
+                 "public_plateau_patience"):
+        if getattr(args, name) < (0 if name == "public_max_steps" else 1):
+            raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     if args.hub_token:
         raise ValueError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")

@@ -37,6 +37,7 @@ from transformers.utils import logging
 from .cached_head import prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
 from .plan import plan_run, resume_ledger
+from .continual import check_public_phase, finish_record, start_continual
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
 from .privacy.loss import is_causal_lm, per_example_loss
@@ -60,7 +61,7 @@ class DPTrainer(DPSavingMixin, Trainer):
     """
 
     def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, peft_config=None,
-                 **kwargs):
+                 public_train_dataset=None, public_eval_dataset=None, **kwargs):
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
         if kwargs.get("compute_loss_func") is not None:
@@ -69,6 +70,9 @@ class DPTrainer(DPSavingMixin, Trainer):
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
         check_hub_strategy(args)  # again: set_push_to_hub() bypasses the arguments' own check
+        check_public_phase(args, train_dataset, public_train_dataset, public_eval_dataset)
+        self.public_train_dataset, self.public_eval_dataset = public_train_dataset, public_eval_dataset
+        self.continual_record: dict | None = None  # public → private: switch step, tr(H), decelerator, ε
         self._unit_rows: tuple | None = None  # (each row's unit index, number of units) with a privacy_unit column
         if train_dataset is not None:
             check_train_dataset(train_dataset, args.target_delta, lambda: self._read_units(train_dataset, args))
@@ -350,6 +354,8 @@ class DPTrainer(DPSavingMixin, Trainer):
             self.optimizer = None
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
+        if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
+            start_continual(self, path if resume_from_checkpoint else None)
         self._cached_head, self._cached_inputs, no_cache = (None, None, None) if self._unit_rows is not None else \
             prepare_cached_head(self.model, self._scopes, self.args, self.train_dataset,
                                 self._train_dataset_and_collator)  # cached features are per row: not with units
@@ -362,7 +368,16 @@ class DPTrainer(DPSavingMixin, Trainer):
         finally:
             self._detach_hooks()
         output.metrics["epsilon"] = self.epsilon()
+        if self.continual_record is not None:
+            finish_record(self)
         return output
+
+    def _save_privacy_record(self, output_dir: str) -> None:
+        super()._save_privacy_record(output_dir)
+        if self.continual_record is not None and self.args.should_save:
+            from .continual import save_record
+
+            save_record(self.continual_record, output_dir)
 
     def epsilon(self) -> float | None:
         """ε spent so far (computed by the ledger's Opacus accountant), None before training."""
