@@ -136,20 +136,22 @@ class DPTrainingArguments(TrainingArguments):
     public_switch: str = field(
         default="fixed",
         metadata={"help": "When a run with a public_train_dataset switches from non-private public training to DP-SGD: "
-                  "'fixed' (after public_max_steps), 'decelerator' (when the DP noise term (η²/2)σ²C²tr(H)/B² falls "
-                  "below decelerator_threshold × the first-order decrease, seed 004) or 'plateau' (public eval loss).",
+                  "'fixed' (after public_max_steps), 'decelerator' (when seed 004's decelerator σ²C²tr(H)/B² falls to "
+                  "decelerator_threshold × ḡᵀHḡ, the curvature along the clipped gradient) or 'plateau' (public eval "
+                  "loss).",
                   "choices": ("fixed", "decelerator", "plateau")},
     )
     public_max_steps: int = field(default=0, metadata={
         "help": "Non-private steps on the public training set: the switch step ('fixed') or the most before it."})
     public_check_steps: int = field(default=10, metadata={
         "help": "Every this many steps: tr(H) (Hutchinson, public batch), the decelerator and the switch test."})
-    public_learning_rate: float | None = field(default=None, metadata={
+    public_phase_learning_rate: float | None = field(default=None, metadata={
         "help": "Learning rate of the public phase (default: learning_rate), constant."})
     public_per_device_train_batch_size: int | None = field(default=None, metadata={
         "help": "Batch size of the public phase (default: per_device_train_batch_size)."})
-    decelerator_threshold: float = field(default=0.5, metadata={
-        "help": "public_switch='decelerator': switch when noise term / first-order decrease falls below this."})
+    decelerator_threshold: float = field(default=1.0, metadata={
+        "help": "public_switch='decelerator': switch when σ²C²tr(H)/B² ≤ this × ḡᵀHḡ (1: a DP step at its best step "
+                "size keeps at least half of the non-private per-step loss decrease)."})
     public_plateau_patience: int = field(default=3, metadata={
         "help": "public_switch='plateau': switch after this many checks without a better public eval loss."})
     hessian_probes: int = field(default=8, metadata={"help": "Rademacher probes per Hutchinson tr(H) estimate."})

@@ -5,10 +5,11 @@ on the same model (no clipping, no noise, nothing accounted: the data is public)
 private `train_dataset`. The switch (`DPTrainingArguments.public_switch`):
 
 - "fixed": after `public_max_steps` public steps;
-- "decelerator": at the first check (every `public_check_steps` steps) where the DP noise term of the next private
-  step, (η²/2)·σ²C²·tr(H)/B² (with tr(H) at the upper end of its estimate ± 2 standard errors), is below `decelerator_threshold` × its first-order decrease η·Gᵀḡ (σ, C, B and η
-  of the planned DP phase; tr(H) by Hutchinson and G, ḡ on a public batch: `hf_dp_repr.curvature`), or at
-  `public_max_steps`;
+- "decelerator": at the first check (every `public_check_steps` steps) where seed 004's decelerator
+  D = σ²C²·tr(H)/B² of the planned DP phase is at most `decelerator_threshold` × ḡᵀHḡ, the curvature along the
+  mean clipped gradient (tr(H) by Hutchinson at the upper end of its ± 2 standard errors, ḡ and H on a public
+  batch; `hf_dp_repr.curvature`): a DP step at its best step size then keeps at least 1/(1 + threshold) of the
+  non-private per-step loss decrease. Or at `public_max_steps`;
 - "plateau": when the loss on `public_eval_dataset` has not improved for `public_plateau_patience` checks, or at
   `public_max_steps`.
 
@@ -32,7 +33,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
-from .curvature import decelerator, decelerator_ratio, first_order_decrease, model_trace, public_batch
+from .curvature import clipped_gradient_terms, decelerator, decelerator_ratio, model_trace, public_batch
 
 logger = logging.get_logger(__name__)
 RECORD_FILE = "continual_training.json"
@@ -58,13 +59,13 @@ class _SwitchCallback(TrainerCallback):
                      decelerator=decelerator(trace, phase.noise_multiplier, self.args.per_sample_max_grad_norm,
                                              phase.expected_batch_size))
         if self.args.public_switch == "decelerator":
-            first = first_order_decrease(model, self.batch, self.args.per_sample_max_grad_norm)
-            entry["first_order_decrease"] = first
+            first, along = clipped_gradient_terms(model, self.batch, self.args.per_sample_max_grad_norm)
+            entry["first_order_decrease"], entry["curvature_along_gradient"] = first, along
             # the upper end of tr(H)'s ~95 % interval: a noisy estimate (near an indefinite Hessian) does not switch
             entry["decelerator_ratio"] = decelerator_ratio(
-                max(0.0, trace + 2 * stderr), first, noise_multiplier=phase.noise_multiplier, max_grad_norm=self.args.per_sample_max_grad_norm,
-                expected_batch=phase.expected_batch_size, learning_rate=self.args.learning_rate)
-            if entry["decelerator_ratio"] < self.args.decelerator_threshold:
+                max(0.0, trace + 2 * stderr), along, noise_multiplier=phase.noise_multiplier,
+                max_grad_norm=self.args.per_sample_max_grad_norm, expected_batch=phase.expected_batch_size)
+            if entry["decelerator_ratio"] <= self.args.decelerator_threshold:
                 control.should_training_stop = True
         self.record["history"].append(entry)
         logger.warning("public step %d: tr(H) = %.4g ± %.2g, decelerator σ²C²tr(H)/B² = %.4g%s", step, trace, stderr,
@@ -98,7 +99,7 @@ def run_public_phase(trainer, public_train, public_eval=None) -> dict:
     public_args = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "public_phase"), max_steps=args.public_max_steps,
         per_device_train_batch_size=args.public_per_device_train_batch_size or args.per_device_train_batch_size,
-        learning_rate=args.public_learning_rate or args.learning_rate, optim=args.optim,
+        learning_rate=args.public_phase_learning_rate or args.learning_rate, optim=args.optim,
         weight_decay=args.weight_decay, lr_scheduler_type="constant", seed=args.seed, report_to="none",
         save_strategy="no", logging_steps=args.public_check_steps, disable_tqdm=args.disable_tqdm,
         use_cpu=args.use_cpu, bf16=args.bf16, remove_unused_columns=args.remove_unused_columns,

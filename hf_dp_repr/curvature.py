@@ -5,12 +5,14 @@ so the mean of m probes has standard error ≤ sqrt(2/m)·‖H‖_F. Each probe 
 backward through the loss).
 
 Seed 004 (Bu et al. 2024) expands the loss after one DP-SGD step w ← w − η·ĝ, with this library's update
-ĝ = (Σ_i clip_C(g_i) + N(0, σ²C²I)) / B, to second order. The noise adds, in expectation,
-    (η²/2) · σ²C²·tr(H) / B²        (the "decelerator"; seed 004 writes σ²tr(H)/(B c²) in its normalisation of
-                                      the clipped gradient, here the noise std of the update is σC/B)
-against the first-order decrease η·Gᵀḡ (G the loss gradient, ḡ the mean clipped gradient). DP-SGD makes little
-progress while the first term is not small against the second: `decelerator_ratio` is their quotient; public
-→ private training (`DPTrainer(public_train_dataset=...)`) can switch to DP-SGD once it falls below a threshold.
+ĝ = (Σ_i clip_C(g_i) + N(0, σ²C²I)) / B, to second order (ḡ = E[ĝ] the mean clipped gradient, G the loss gradient):
+    E[ΔL] ≈ −η·Gᵀḡ + (η²/2)·(ḡᵀHḡ + D),     D = σ²C²·tr(H) / B²  (the "decelerator")
+(seed 004 writes it σ²tr(H)/(B c²) in its normalisation of the clipped gradient; here the noise std of the
+update is σC/B; the sampling variance of the clipped mean is left out, as DP noise dominates it). At the best
+step size η* = Gᵀḡ / (ḡᵀHḡ + D) the decrease is (Gᵀḡ)² / (2(ḡᵀHḡ + D)): the noise keeps a fraction
+ḡᵀHḡ / (ḡᵀHḡ + D) of the non-private progress, and `decelerator_ratio` = D / ḡᵀHḡ says how far from 1 it is.
+Public → private training (`DPTrainer(public_train_dataset=...)`) can switch to DP-SGD once that ratio is small,
+i.e. when the noise term has become small against the first-order decrease it leaves.
 
 Example:
     >>> import torch
@@ -52,13 +54,13 @@ def decelerator(trace: float, noise_multiplier: float, max_grad_norm: float, exp
     return noise_multiplier ** 2 * max_grad_norm ** 2 * trace / expected_batch ** 2
 
 
-def decelerator_ratio(trace: float, first_order: float, *, noise_multiplier: float, max_grad_norm: float,
-                      expected_batch: int, learning_rate: float) -> float:
-    """(η²/2)·σ²C²tr(H)/B² over the first-order decrease η·Gᵀḡ (∞ when there is no decrease)."""
-    if first_order <= 0:
+def decelerator_ratio(trace: float, curvature_along_gradient: float, *, noise_multiplier: float,
+                      max_grad_norm: float, expected_batch: int) -> float:
+    """D / ḡᵀHḡ with D = σ²C²tr(H)/B² (∞ when ḡᵀHḡ ≤ 0: no best step size, the expansion says nothing).
+    A DP step at its best step size keeps 1 / (1 + ratio) of the non-private per-step decrease."""
+    if curvature_along_gradient <= 0:
         return math.inf
-    noise = 0.5 * learning_rate ** 2 * decelerator(trace, noise_multiplier, max_grad_norm, expected_batch)
-    return noise / (learning_rate * first_order)
+    return decelerator(trace, noise_multiplier, max_grad_norm, expected_batch) / curvature_along_gradient
 
 
 def _trainable(model) -> list[torch.nn.Parameter]:
@@ -98,21 +100,23 @@ def model_trace(model, batch: dict, num_probes: int = 16, generator: torch.Gener
         return hutchinson_trace(lambda: model(**batch).loss, _trainable(model), num_probes, generator)
 
 
-def first_order_decrease(model, batch: dict, max_grad_norm: float, hooks=None) -> float:
-    """Gᵀḡ on a public batch: G the gradient of the mean loss, ḡ the mean of per-example gradients clipped to C
-    (each example back-propagated alone: meant for a small public batch)."""
+def clipped_gradient_terms(model, batch: dict, max_grad_norm: float, hooks=None) -> tuple[float, float]:
+    """(Gᵀḡ, ḡᵀHḡ) on a public batch: G the gradient of the mean loss, ḡ the mean of per-example gradients clipped
+    to C (each example back-propagated alone: meant for a small public batch), H the Hessian of the mean loss."""
     params = _trainable(model)
     with _plain_autograd(model, hooks):
-        full = torch.autograd.grad(model(**batch).loss, params)
+        full = torch.autograd.grad(model(**batch).loss, params, create_graph=True)
         n = len(next(v for v in batch.values() if isinstance(v, torch.Tensor)))
         clipped = [torch.zeros_like(p) for p in params]
         for i in range(n):
             one = {k: v[i:i + 1] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            grads = torch.autograd.grad(model(**one).loss, params)
+            grads = [g.detach() for g in torch.autograd.grad(model(**one).loss, params)]
             norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
             factor = min(1.0, max_grad_norm / (norm + 1e-6))
             clipped = [c + g * factor / n for c, g in zip(clipped, grads)]
-    return float(sum((g * c).sum() for g, c in zip(full, clipped)))
+        hvp = torch.autograd.grad(full, params, grad_outputs=clipped)
+    first = float(sum((g.detach() * c).sum() for g, c in zip(full, clipped)))
+    return first, float(sum((h * c).sum() for h, c in zip(hvp, clipped)))
 
 
 class HessianTraceCallback(TrainerCallback):
