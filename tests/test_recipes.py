@@ -513,3 +513,20 @@ def test_public_pretraining_prints_progress_lines():
         cb.on_epoch_end(args, SimpleNamespace(epoch=float(epoch), is_world_process_zero=True), None)
     assert len(lines) == 8 and lines[0].startswith("public pre-training: epoch 5/40, loss 0.200")
     assert lines[-1].startswith("public pre-training: epoch 40/40")
+
+
+@pytest.mark.slow
+def test_seed004_comparison_recipe_runs_every_arm_at_the_same_epsilon(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import seed004_continual
+
+    results = seed004_continual.main([
+        "--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-5", "--max_steps", "3",
+        "--public_max_steps", "4", "--public_check_steps", "2", "--per_device_train_batch_size", "16",
+        "--tokenizer_vocab_size", "300", "--max_eval_blocks", "32", "--report_to", "none", "--disable_tqdm", "true",
+        "--hessian_probes", "2", "--hessian_max_examples", "8"])
+    assert set(results) == {"dp_scratch", "public_only", "fixed", "decelerator"}
+    eps = {results[r]["epsilon"] for r in ("dp_scratch", "fixed", "decelerator")}
+    assert len(eps) == 1 and 0 < eps.pop() <= 8  # the same plan, only private steps accounted
+    assert results["fixed"]["switch_step"] == 4 and 1 <= results["decelerator"]["switch_step"] <= 4
+    assert (tmp_path / "tr_h.png").exists() and "| fixed |" in capsys.readouterr().out
