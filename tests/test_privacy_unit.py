@@ -251,3 +251,25 @@ def user_dataset_for_script():
     from privacy_unit_ddp_script import USERS as SCRIPT_USERS
 
     return user_dataset(load_digits_dataset(), SCRIPT_USERS)
+
+
+def test_optimizer_refuses_a_unit_that_comes_back_after_it_was_clipped():
+    """A unit clipped in one micro-batch and seen again in a later one would contribute up to 2C: the run stops."""
+    from opacus.grad_sample import GradSampleHooks
+
+    from hf_dp_repr.privacy.optimizer import MicroBatchDPOptimizer
+
+    model = torch.nn.Linear(3, 1)
+    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
+    opt = MicroBatchDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), clipping="flat", noise_multiplier=0.0,
+                                max_grad_norm=1.0, expected_batch_size=2, noise_generator=lambda d: None)
+
+    def micro_batch(units):
+        model(torch.randn(len(units), 3)).sum().backward()
+        opt.accumulate_micro_batch(torch.tensor(units))
+
+    micro_batch([0, 0, 1])  # unit 0 is complete here (clipped); unit 1 stays open
+    micro_batch([1, 2])  # unit 1 continues: fine
+    with pytest.raises(RuntimeError, match="unit 0 appears again"):
+        micro_batch([0])
+    hooks.remove_hooks()
