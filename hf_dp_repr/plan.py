@@ -22,22 +22,23 @@ from .privacy.accounting import Phase, PrivacyLedger, calibrate_last_phase, cali
 
 # Ledger fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
 RESUME_INVARIANTS = ("accountant", "target_delta", "phases", "per_sample_max_grad_norm", "clipping", "dataset_size",
-                     "world_size", "neighboring", "randomness")
+                     "world_size", "neighboring", "randomness", "privacy_unit")
 
 
 def logical_batch(args: DPTrainingArguments, per_device: int, n: int) -> int:
-    """Examples per DP step: per-device batch × gradient accumulation × processes (at most `n`)."""
+    """Examples (units) per DP step: per-device batch × gradient accumulation × processes (at most `n`)."""
     batch = per_device * args.gradient_accumulation_steps * args.world_size
     if batch > n:
         raise DPConfigError(
             f"DPTrainer: the logical batch (per-device batch × gradient_accumulation_steps × processes = {batch}) "
-            f"exceeds the {n} training examples; lower the batch size."
+            f"exceeds the {n} training {'examples' if args.privacy_unit == 'row' else 'units (' + args.privacy_unit + ')'}; "
+            "lower the batch size."
         )
     return batch
 
 
 def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
-    """The ledger a run of `args` on `dataset_size` examples will fill, with every phase's σ, q and steps."""
+    """The ledger a run of `args` on `dataset_size` examples (units, with a privacy_unit column) will fill, with every phase's σ, q and steps."""
     n = dataset_size
     batch = logical_batch(args, args.per_device_train_batch_size, n)
     steps_per_epoch = max(1, n // batch)
@@ -69,7 +70,7 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
         accountant=acc, target_delta=delta, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
         clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
         target_epsilon=eps, world_size=args.world_size, neighboring=rel,
-        randomness="os-entropy" if args.noise_seed is None else "seeded",
+        randomness="os-entropy" if args.noise_seed is None else "seeded", privacy_unit=args.privacy_unit,
     )
 
 

@@ -38,12 +38,15 @@ from .cached_head import prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
+from .continual import check_public_phase, finish_record, start_continual
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
 from .privacy.randomness import DPRandomness
-from .privacy.sampler import ExampleBatchCollator, PoissonBatchSampler, SamplerEpochCallback, ShuffledBatchSampler
+from .privacy.sampler import (UNIT_KEY, ExampleBatchCollator, PoissonBatchSampler, SamplerEpochCallback,
+                              ShuffledBatchSampler)
+from .privacy.units import ROW, UnitPoissonBatchSampler, UnitRowsDataset, column_values, describe_unit, unit_rows
 from .privacy.validation import check_model_is_privatizable, check_train_dataset
 from .resume import finish_without_training, is_finished
 from .scope import block_stack_name, describe_trainable, phase_scopes
@@ -60,7 +63,8 @@ class DPTrainer(DPSavingMixin, Trainer):
     """
 
     def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, peft_config=None,
-                 model_card_info: ModelCardInfo | dict | None = None, **kwargs):
+                 model_card_info: ModelCardInfo | dict | None = None, public_train_dataset=None,
+                 public_eval_dataset=None, **kwargs):
         if not isinstance(args, DPTrainingArguments):
             raise TypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
         if kwargs.get("compute_loss_func") is not None:
@@ -69,8 +73,12 @@ class DPTrainer(DPSavingMixin, Trainer):
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
         check_hub_strategy(args)  # again: set_push_to_hub() bypasses the arguments' own check
+        check_public_phase(args, train_dataset, public_train_dataset, public_eval_dataset)
+        self.public_train_dataset, self.public_eval_dataset = public_train_dataset, public_eval_dataset
+        self.continual_record: dict | None = None  # public → private: switch step, tr(H), decelerator, ε
+        self._unit_rows: tuple | None = None  # (each row's unit index, number of units) with a privacy_unit column
         if train_dataset is not None:
-            check_train_dataset(train_dataset, args.target_delta)
+            check_train_dataset(train_dataset, args.target_delta, lambda: self._read_units(train_dataset, args))
         if peft_config is not None:
             if model is None:
                 raise ValueError("DPTrainer: peft_config needs a model to wrap.")
@@ -108,10 +116,19 @@ class DPTrainer(DPSavingMixin, Trainer):
                 cb.attach(self)
 
     # ---- the privacy plan -------------------------------------------------------------------------
+    def _read_units(self, dataset, args) -> int | None:
+        """With a privacy_unit column: read it (before the Trainer removes unused columns) and return U."""
+        self._unit_rows = None
+        if args.privacy_unit == ROW:
+            return None
+        self._unit_rows = unit_rows(column_values(dataset, args.privacy_unit))
+        return self._unit_rows[1]
+
     def privacy_plan(self) -> PrivacyLedger:
         """The ledger this run will fill: its phases (sample rate, steps, σ calibrated if a target ε is set)."""
         if self._plan is None:
-            self._plan = plan_run(self.args, len(self.train_dataset))
+            n = len(self.train_dataset) if self._unit_rows is None else self._unit_rows[1]
+            self._plan = plan_run(self.args, n)
         return self._plan
 
     # ---- data: Poisson logical batches --------------------------------------------------------------
@@ -123,27 +140,36 @@ class DPTrainer(DPSavingMixin, Trainer):
             dataset, collator = self._cached_inputs, default_data_collator
         else:
             dataset, collator = self._train_dataset_and_collator()
-        n = len(dataset)
         plan = self.privacy_plan()
+        n = plan.dataset_size  # rows, or units
         batch = plan.phases[-1].expected_batch_size
-        common = dict(num_samples=n, steps_per_epoch=max(1, n // batch),
+        common = dict(steps_per_epoch=max(1, n // batch),
                       micro_batches_per_step=args.gradient_accumulation_steps, world_size=args.world_size,
                       rank=args.process_index, seed=self._randomness.sampling_seed())
-        if args.poisson_sampling:
-            self._batch_sampler = PoissonBatchSampler(sample_rate=plan.sample_rate_at, secure=args.secure_mode,
-                                                      **common)
+        if self._unit_rows is not None and self._cached_head is None:
+            self._batch_sampler = UnitPoissonBatchSampler(
+                self._unit_rows[0], n, sample_rate=plan.sample_rate_at, secure=args.secure_mode,
+                max_rows_per_unit=args.max_rows_per_unit, **common)
+        elif args.poisson_sampling:
+            self._batch_sampler = PoissonBatchSampler(num_samples=n, sample_rate=plan.sample_rate_at,
+                                                      secure=args.secure_mode, **common)
         else:
-            self._batch_sampler = ShuffledBatchSampler(batch_size=batch, **common)
+            self._batch_sampler = ShuffledBatchSampler(num_samples=n, batch_size=batch, **common)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
         return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=ExampleBatchCollator(collator),
                           num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
 
     def _train_dataset_and_collator(self):
         dataset, collator = self.train_dataset, self.data_collator
+        unit = self.args.privacy_unit
         if isinstance(dataset, datasets.Dataset):
+            if unit != ROW and unit in dataset.column_names:  # consumed here, whatever remove_unused_columns says
+                dataset = dataset.remove_columns(unit)
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        if self._unit_rows is not None:
+            dataset = UnitRowsDataset(dataset, self._unit_rows[0], unit)
         return dataset, collator
 
     # ---- optimizer: Opacus hooks + DP optimizer -------------------------------------------------------
@@ -259,8 +285,10 @@ class DPTrainer(DPSavingMixin, Trainer):
         target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
         lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, {led.neighboring} neighbours, accountant="
                  f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
-                 f"C={led.per_sample_max_grad_norm}, {led.dataset_size} examples): ε at the end of the plan "
-                 f"{led.planned_epsilon():.4f}"]
+                 f"C={led.per_sample_max_grad_norm}, unit of privacy: {describe_unit(led.privacy_unit)}, "
+                 f"{led.dataset_size} {'examples' if led.privacy_unit == ROW else 'units'}"
+                 f"{'' if self.args.max_rows_per_unit is None else f' (at most {self.args.max_rows_per_unit} rows each per step)'}"
+                 f"): ε at the end of the plan {led.planned_epsilon():.4f}"]
         stack = block_stack_name(self.model, self.args.block_stack)
         for i, phase in enumerate(led.phases):
             lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "
@@ -290,6 +318,7 @@ class DPTrainer(DPSavingMixin, Trainer):
         if "labels" not in inputs:
             raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")
         labels = inputs.pop("labels")
+        unit_ids = inputs.pop(UNIT_KEY, None)
         batch_position_ids(self.model, inputs)
         # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
         # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
@@ -301,7 +330,7 @@ class DPTrainer(DPSavingMixin, Trainer):
                     outputs = model(**inputs)
                 losses = self.per_example_loss(outputs, labels)
             self.accelerator.backward(losses.sum())
-        self._dp_optimizer.accumulate_micro_batch()
+        self._dp_optimizer.accumulate_micro_batch(unit_ids)
         return losses.detach().mean() / self.current_gradient_accumulation_steps
 
     def _get_num_items_in_batch(self, batch_samples, device):
@@ -314,6 +343,7 @@ class DPTrainer(DPSavingMixin, Trainer):
         self._plan = None
         self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
         if self.train_dataset is not None:  # refuse packed rows before anything trains
+            self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
             dataset, collator = self._train_dataset_and_collator()
             ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
         if resume_from_checkpoint:
@@ -330,10 +360,13 @@ class DPTrainer(DPSavingMixin, Trainer):
             self.optimizer = None
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
-        # With model_init the Trainer makes a fresh model inside train(): features cached from this one would be stale.
-        self._cached_head, self._cached_inputs, no_cache = prepare_cached_head(
-            self.model, [] if self.model_init is not None else self._scopes, self.args, self.train_dataset,
-            self._train_dataset_and_collator)
+        if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
+            start_continual(self, path if resume_from_checkpoint else None)
+        # Cached features are per row: not with privacy units. With model_init the Trainer makes a fresh model inside
+        # train(): features cached from this one would be stale.
+        self._cached_head, self._cached_inputs, no_cache = (None, None, None) if self._unit_rows is not None else \
+            prepare_cached_head(self.model, [] if self.model_init is not None else self._scopes, self.args,
+                                self.train_dataset, self._train_dataset_and_collator)
         if no_cache:
             logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
                            "backbone.")
@@ -347,6 +380,8 @@ class DPTrainer(DPSavingMixin, Trainer):
             if getattr(self, "_dp_search", None) is not None:
                 self._dp_search.record_run(self, state)
         output.metrics["epsilon"] = self.epsilon()
+        if self.continual_record is not None:
+            finish_record(self)
         return output
 
     # ---- hyperparameter search ---------------------------------------------------------------------------
@@ -377,6 +412,13 @@ class DPTrainer(DPSavingMixin, Trainer):
             if self._scopes:
                 self._scopes[-1].apply(self.model)
             self._dp_optimizer = None
+
+    def _save_privacy_record(self, output_dir: str) -> None:
+        super()._save_privacy_record(output_dir)
+        if self.continual_record is not None and self.args.should_save:
+            from .continual import save_record
+
+            save_record(self.continual_record, output_dir)
 
     def epsilon(self) -> float | None:
         """ε spent so far (computed by the ledger's Opacus accountant), None before training."""

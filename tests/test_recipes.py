@@ -151,7 +151,19 @@ def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path, cap
                          pad_token_id=tok.pad_token_id)
     assert out.shape[1] > 1
     card = (tmp_path / "README.md").read_text()
-    assert "to train the tokenizer" in card and "one block is one unit of privacy" in card
+    assert "to train the tokenizer" in card and "one document (all its blocks) is one unit of privacy" in card
+    # document-level by default: the card says so, and its ε is the accountant's ε over documents
+    ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
+    docs = lm_recipe.load_documents(lm_recipe.LMArguments())["train"]
+    n_private = len(docs) - len(docs) // 2  # public_fraction 0.5 of a tiny config: train_test_split's test side
+    assert ledger["privacy_unit"] == "document_id" and ledger["dataset_size"] == n_private
+    assert ledger["phases"][0]["sample_rate"] == pytest.approx(32 / n_private)
+    assert "| unit of privacy | one document (all rows sharing a document_id) |" in card
+    assert "document_id-level (ε, δ)-DP" in card
+    from hf_dp_repr.privacy.accounting import compute_epsilon
+
+    assert metrics["epsilon"] == pytest.approx(compute_epsilon([(ledger["phases"][0]["noise_multiplier"],
+                                                                 32 / n_private, 4)], 1e-5))
     printed = capsys.readouterr().out  # the result table, with a sample from the DP model
     assert "| test perplexity" in printed and "| ε spent" in printed and "| DP steps  " in printed
     assert "| sample (greedy, DP model) | 'Return the" in printed
@@ -501,3 +513,19 @@ def test_public_pretraining_prints_progress_lines():
         cb.on_epoch_end(args, SimpleNamespace(epoch=float(epoch), is_world_process_zero=True), None)
     assert len(lines) == 8 and lines[0].startswith("public pre-training: epoch 5/40, loss 0.200")
     assert lines[-1].startswith("public pre-training: epoch 40/40")
+
+
+@pytest.mark.slow
+def test_seed004_comparison_recipe_runs_every_arm_at_the_same_epsilon(tmp_path, capsys):
+    from hf_dp_repr.scripts import seed004_continual
+
+    results = seed004_continual.main([
+        "--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-5", "--max_steps", "3",
+        "--public_max_steps", "4", "--public_check_steps", "2", "--per_device_train_batch_size", "16",
+        "--tokenizer_vocab_size", "300", "--max_eval_blocks", "32", "--report_to", "none", "--disable_tqdm", "true",
+        "--hessian_probes", "2", "--hessian_max_examples", "8"])
+    assert set(results) == {"dp_scratch", "public_only", "fixed", "decelerator"}
+    eps = {results[r]["epsilon"] for r in ("dp_scratch", "fixed", "decelerator")}
+    assert len(eps) == 1 and 0 < eps.pop() <= 8  # the same plan, only private steps accounted
+    assert results["fixed"]["switch_step"] == 4 and 1 <= results["decelerator"]["switch_step"] <= 4
+    assert (tmp_path / "tr_h.png").exists() and "| fixed |" in capsys.readouterr().out

@@ -159,7 +159,8 @@ class PrivacyLedger:
     `phases` is the plan (one phase, or a linear probe then a fine-tune); `history` is the accountant's own
     history [(σ, q, steps), ...] of what was executed; `epsilon()` recomputes ε from it. `neighboring` is the
     relation ε is stated for; `randomness` says where the noise and the batches came from: "os-entropy" (a
-    secret no one holds) or "seeded" (`noise_seed`: reproducible, and NOT private).
+    secret no one holds) or "seeded" (`noise_seed`: reproducible, and NOT private). `privacy_unit` is what ε
+    protects ("row", or a column such as "document_id": all rows sharing a value); `dataset_size` counts units.
     """
 
     accountant: str
@@ -173,6 +174,7 @@ class PrivacyLedger:
     world_size: int = 1
     neighboring: str = "add_remove"
     randomness: str = "os-entropy"
+    privacy_unit: str = "row"  # what one of the `dataset_size` units is: a row, or a column whose rows form a unit
     history: History = field(default_factory=list)
 
     @property

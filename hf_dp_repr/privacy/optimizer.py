@@ -6,6 +6,9 @@ backward (`accumulate_micro_batch`), the clipped sum is kept, and `step()` adds 
 logical batch, on rank 0 only, sums over processes and divides by the expected global batch size:
 
     update = (Σ_i clip_C(g_i) + N(0, σ²C²)) / L,    L = per_device_batch × accumulation × processes.
+
+With a unit of privacy other than the row (`privacy.units`), g_i is the sum of the per-row gradients of unit i;
+a unit cut by a micro-batch boundary is kept summed but unclipped (`_open_unit`) until its last rows arrive.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 import torch.distributed as dist
 from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _generate_noise
+
+from .units import sum_per_unit
 
 AUTOMATIC_CLIPPING_GAMMA = 0.01  # stability constant γ of Bu et al. (2023), "Automatic clipping"
 CLIPPING_MODES = ("flat", "per_layer", "automatic", "none")  # "none": the non-private reference only (σ = 0)
@@ -44,10 +49,13 @@ class MicroBatchDPOptimizer(DPOptimizer):
         self.noise_generator = noise_generator
         self.world_size = world_size
         self.rank = rank
+        self._open_unit: tuple[int, list[torch.Tensor]] | None = None  # (id, partial per-row sums), not yet clipped
+        self._closed_units: set[int] = set()  # units clipped in this logical step: none may come back
 
-    def accumulate_micro_batch(self) -> None:
+    def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None) -> None:
         """Clip the per-sample gradients of the micro-batch just back-propagated, add them to the clipped sum
-        and free them. A no-op after an empty micro-batch."""
+        and free them. A no-op after an empty micro-batch. With `unit_ids` (each row's unit), rows are summed
+        per unit first and each unit is clipped once (`_accumulate_units`)."""
         missing = [p for p in self.params if getattr(p, "grad_sample", None) is None]
         if len(missing) == len(self.params):
             return
@@ -57,7 +65,10 @@ class MicroBatchDPOptimizer(DPOptimizer):
                 f"These trainable parameters got no per-sample gradient in the forward pass: {names}. They are "
                 "unused by the model's forward; freeze them (requires_grad=False) so DP-SGD does not train them."
             )
-        self.clip_and_accumulate()
+        if unit_ids is None:
+            self.clip_and_accumulate()
+        else:
+            self._accumulate_units(unit_ids)
         for p in self.params:
             # The summed, unclipped gradient is not private: drop it so nothing can read or log it.
             p.grad_sample = None
@@ -77,16 +88,53 @@ class MicroBatchDPOptimizer(DPOptimizer):
             factor = (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
         return factor.expand_as(norms)
 
-    def clip_and_accumulate(self) -> None:
-        grads = [g.reshape(len(g), -1).float() for g in self.grad_samples]
+    def clip_and_accumulate(self, grads: list[torch.Tensor] | None = None) -> None:
+        """Clip each example's gradient (rows of `grads`, one (examples, numel) float32 matrix per parameter;
+        default: the micro-batch's per-sample gradients) and add them to the clipped sum."""
+        if grads is None:
+            grads = [g.reshape(len(g), -1).float() for g in self.grad_samples]
         factors = self.clip_factors(torch.stack([g.norm(2, dim=1) for g in grads], dim=1))
         for j, (p, g) in enumerate(zip(self.params, grads)):
             clipped = (factors[:, j] @ g).view(p.shape)
             p.summed_grad = clipped if p.summed_grad is None else p.summed_grad + clipped
 
+    def _accumulate_units(self, unit_ids: torch.Tensor) -> None:
+        """Sum the rows of each unit; clip and add every unit that ends in this micro-batch; keep the unit of
+        the last row open (it may continue in the next micro-batch: the sampler lays units out contiguously)."""
+        ids, sums = sum_per_unit([g.reshape(len(g), -1).float() for g in self.grad_samples], unit_ids.to(
+            self.params[0].device))
+        ids = ids.tolist()
+        if self._open_unit is not None:
+            open_id, partial = self._open_unit
+            self._open_unit = None
+            if ids[0] == open_id:
+                sums = [torch.cat([s[:1] + q, s[1:]]) for s, q in zip(sums, partial)]
+            else:
+                self._close_units([open_id], partial)
+        self._close_units(ids[:-1], [s[:-1] for s in sums])
+        self._check_not_closed(ids[-1])
+        self._open_unit = (ids[-1], [s[-1:] for s in sums])
+
+    def _check_not_closed(self, unit: int) -> None:
+        if unit in self._closed_units:
+            # Clipping a unit twice would let it contribute 2C: a broken guarantee, never a silent one.
+            raise RuntimeError(f"DP-SGD: unit {unit} appears again after it was clipped in this logical step; the "
+                               "rows of a unit must be contiguous across micro-batches (UnitPoissonBatchSampler).")
+
+    def _close_units(self, ids: list[int], sums: list[torch.Tensor]) -> None:
+        for unit in ids:
+            self._check_not_closed(unit)
+        self._closed_units.update(ids)
+        if ids:
+            self.clip_and_accumulate(sums)
+
     def pre_step(self, closure=None) -> bool:
         """update = (Σ clipped + N(0, σ²C²) on rank 0, summed over ranks) / expected global batch."""
         self.accumulate_micro_batch()
+        if self._open_unit is not None:
+            self._close_units([self._open_unit[0]], self._open_unit[1])
+            self._open_unit = None
+        self._closed_units = set()
         generator = None
         if self.rank == 0 and self.noise_multiplier > 0:
             generator = self.noise_generator(self.params[0].device)

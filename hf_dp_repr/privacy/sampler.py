@@ -19,10 +19,13 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
 from .validation import check_one_row_per_example
+
+UNIT_KEY = "dp_unit_index"  # the per-row unit index a batch carries to the optimizer (privacy.units)
 
 
 class _LogicalBatchSampler(Sampler[list[int]]):
@@ -122,8 +125,14 @@ class ExampleBatchCollator:
     def __call__(self, features):
         if not features:
             return {}
+        units = None
+        if UNIT_KEY in features[0]:  # privacy_unit: each row's unit index travels beside the batch
+            units = torch.tensor([f[UNIT_KEY] for f in features], dtype=torch.long)
+            features = [{k: v for k, v in f.items() if k != UNIT_KEY} for f in features]
         batch = self.collator(features)
         check_one_row_per_example(batch, len(features))
+        if units is not None:
+            batch[UNIT_KEY] = units
         return batch
 
 

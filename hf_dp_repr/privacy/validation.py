@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 from opacus.grad_sample.grad_sample_module import GradSampleModule
 from opacus.validators import ModuleValidator
@@ -44,20 +45,23 @@ def check_model_is_privatizable(model: nn.Module) -> None:
         )
 
 
-def check_train_dataset(dataset, target_delta: float) -> None:
-    """A training set DP-SGD can sample and account for: map-style, non-empty; warns when δ ≥ 1/n."""
+def check_train_dataset(dataset, target_delta: float, count_units: Callable[[], int | None] | None = None) -> None:
+    """A training set DP-SGD can sample and account for: map-style, non-empty; warns when δ ≥ 1/n (n: rows, or
+    the number of units of privacy that `count_units()` reads from the map-style dataset)."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
             "DPTrainer: train_dataset must have a length (a map-style dataset): Poisson sampling and the privacy "
             "accounting need n. Materialise the IterableDataset first (e.g. `Dataset.from_generator`)."
         )
-    n = len(dataset)
-    if n == 0:
+    if len(dataset) == 0:
         raise ValueError("DPTrainer: train_dataset is empty.")
+    num_units = count_units() if count_units is not None else None
+    n = len(dataset) if num_units is None else num_units
     if target_delta >= 1 / n:
         warnings.warn(
-            f"DPTrainer: target_delta={target_delta:g} is >= 1/n for n={n} training examples; such a δ allows "
-            f"releasing a few examples outright. Use δ < 1/n, e.g. {1 / (10 * n):.1e}.",
+            f"DPTrainer: target_delta={target_delta:g} is >= 1/n for n={n} training {'examples' if num_units is None else 'units'}; such a δ allows "
+            f"releasing a few {'examples' if num_units is None else 'units'} outright. Use δ < 1/n, e.g. "
+            f"{1 / (10 * n):.1e}.",
             stacklevel=3,
         )
 

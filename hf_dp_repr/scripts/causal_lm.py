@@ -23,7 +23,10 @@ GPT-2 on wikitext-2 (needs Hub access), pushed with its DP model card:
 
 `--model_name_or_path`: Hub name, local folder, or a built-in tiny config (`tiny_gpt2`, `tiny_llama`).
 `--dataset_name`: `stdlib-docs` (embedded), a `save_to_disk` folder, or anything `datasets.load_dataset` takes.
-The unit of privacy is one block of `--block_size` tokens (the examples DP-SGD samples). Every DP option: `--help`.
+Unit of privacy: one document by default (`--privacy_unit document_id`: blocks never cross documents, each
+block remembers its document, and DP-SGD samples, clips and accounts whole documents, see
+`hf_dp_repr.data.document_blocks`); `--privacy_unit block` protects one block of `--block_size` tokens (documents
+concatenated into blocks, as in most LM fine-tuning scripts). Every DP option: `--help`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import os
 from dataclasses import dataclass, field
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.config import check_privacy_unit
+from hf_dp_repr.data import DOCUMENT_ID, document_blocks
 from hf_dp_repr.model_card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
@@ -73,6 +78,7 @@ ARGUMENT_TYPES = (LMArguments, DPTrainingArguments)
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (perplexity, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
+    by_document = document_level(targs, margs.given_options)
     name = margs.model_name_or_path
     public_fraction = margs.resolved_public_fraction(ru.is_tiny(name))
 
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = _load_model(name, tokenizer, margs.block_size, targs.seed)
     blocks = {k: to_blocks(d, tokenizer, margs) for k, d in
               (("private", private_docs), ("eval", docs["eval"]), ("public", public_docs)) if d is not None}
+    if by_document:  # the private blocks only: public pre-training and evaluation are the same in both modes
+        blocks["private"] = document_blocks(private_docs, tokenizer, margs.block_size).with_format("torch")
     if margs.max_eval_blocks:
         blocks["eval"] = blocks["eval"].select(range(min(margs.max_eval_blocks, len(blocks["eval"]))))
     plan = checks.check_before_work(model, blocks["private"], targs)  # before any work, before anything is written
@@ -111,9 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
         base_model_description=(f"{name} (built-in tiny config, random init), pre-trained here on the public data"
                                 if ru.is_tiny(name) and public_docs is not None else name),
         datasets=[margs.dataset_name] if margs.dataset_name != STDLIB else [],
-        private_data=(f"{len(blocks['private'])} blocks of {margs.block_size} tokens from {len(private_docs)} "
-                      f"documents of the '{margs.train_split}' split of {margs.dataset_name}; one block is one "
-                      "unit of privacy"),
+        private_data=(f"{len(blocks['private'])} blocks of {'at most ' if by_document else ''}{margs.block_size} "
+                      f"tokens from {len(private_docs)} documents of the '{margs.train_split}' split of "
+                      f"{margs.dataset_name}; " + ("one document (all its blocks) is one unit of privacy"
+                                                   if by_document else "one block is one unit of privacy")),
         public_data=(f"{len(public_docs)} other documents of the same split (disjoint), used for non-private "
                      f"pre-training{' and to train the tokenizer' if getattr(tokenizer, '_trained_here', False) else ''}"
                      if public_docs is not None else f"the pre-trained weights and tokenizer of {name}"),
@@ -125,6 +134,16 @@ def main(argv: list[str] | None = None) -> dict:
     result = trainer.train()
     return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
                          extra_rows=lambda t: _sample(t, margs))
+
+
+def document_level(targs: DPTrainingArguments, given: set[str]) -> bool:
+    """The recipe's unit of privacy: one document unless `--privacy_unit block` (or `row`) is given."""
+    unit = targs.privacy_unit if "privacy_unit" in given else DOCUMENT_ID
+    if unit not in (DOCUMENT_ID, "block", "row"):
+        raise ValueError(f"--privacy_unit {unit}: the causal-LM recipe supports '{DOCUMENT_ID}' (default) and 'block'.")
+    targs.privacy_unit = DOCUMENT_ID if unit == DOCUMENT_ID else "row"
+    check_privacy_unit(targs)
+    return unit == DOCUMENT_ID
 
 
 def _perplexity(metrics: dict) -> dict:

@@ -51,7 +51,12 @@ def check_before_work(model, train, training_args):
         raise RecipeArgumentError("the private training set is empty: lower --public_fraction or check the dataset.")
     check_model_is_privatizable(model)
     phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack)  # ScopeError names the block count
-    plan = plan_run(args, len(train))
+    n = len(train)
+    if args.privacy_unit != "row":  # units are counted (and missing ids refused) now, not after pre-training
+        from hf_dp_repr.privacy.units import column_values, unit_rows
+
+        n = unit_rows(column_values(train, args.privacy_unit))[1]
+    plan = plan_run(args, n)
     if plan.planned_steps < 1:
         raise RecipeArgumentError(f"the schedule plans {plan.planned_steps} DP steps; raise --num_train_epochs or "
                                   "--max_steps.")

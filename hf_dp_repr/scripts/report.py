@@ -60,7 +60,9 @@ def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = No
     sigmas = ", ".join(f"{p.noise_multiplier:.3f}" for p in ledger.phases)
     rows.append(("DP steps", f"{ledger.steps_done} of {ledger.planned_steps} (σ = {sigmas}, "
                              f"q = {ledger.phases[-1].sample_rate:.4f}, accountant {ledger.accountant})"))
-    rows.append(("private examples", f"{ledger.dataset_size}"))
+    unit = getattr(ledger, "privacy_unit", "row")
+    rows.append(("private examples", f"{ledger.dataset_size}") if unit == "row" else
+                ("private units", f"{ledger.dataset_size} (a unit: all rows sharing a {unit})"))
     rows += list((extra or {}).items())
     width = max(len(k) for k, _ in rows)
     return "\n".join(["| result | value |", "|---|---|"]
