@@ -19,12 +19,12 @@ import torch
 from transformers import ViTForImageClassification
 
 from hf_dp_repr.tiny import tiny_vit
+from utils import ACCEL_CONFIG, free_port
 
 pytestmark = pytest.mark.slow  # several processes under accelerate launch
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "dp_image_classification.py"
-ACCEL_CONFIG = ROOT / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"
 SIGMA, LR, GLOBAL_BATCH = 1000.0, 1e-3, 32
 
 
@@ -42,14 +42,6 @@ def _run(cmd: list[str]) -> None:
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _update_std(out: Path) -> float:
     """Std over all coordinates of (weights after one step − initial weights) / lr."""
     before = tiny_vit(num_labels=10, seed=0, num_channels=1, image_size=8).state_dict()
@@ -62,7 +54,7 @@ def _update_std(out: Path) -> float:
 def _one_and_two_processes(base: Path, sigma: float, steps: int = 1, extra: tuple[str, ...] = ()) -> tuple[Path, Path]:
     _run([sys.executable, *_args(base / "one", GLOBAL_BATCH, sigma, steps), *extra])
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-          "--main_process_port", str(_free_port()), *_args(base / "two", GLOBAL_BATCH // 2, sigma, steps), *extra])
+          "--main_process_port", str(free_port()), *_args(base / "two", GLOBAL_BATCH // 2, sigma, steps), *extra])
     return base / "one", base / "two"
 
 
@@ -129,7 +121,7 @@ def test_two_processes_report_the_single_process_eval_loss(tmp_path):
             "--disable_tqdm", "true"]
     _run([sys.executable, str(recipe), "--output_dir", str(tmp_path / "one"), *args])
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-          "--main_process_port", str(_free_port()), str(recipe), "--output_dir", str(tmp_path / "two"), *args])
+          "--main_process_port", str(free_port()), str(recipe), "--output_dir", str(tmp_path / "two"), *args])
     one, two = (json.loads((tmp_path / d / "all_results.json").read_text()) for d in ("one", "two"))
     assert 2.0 < one["eval_loss"] < 4.0  # a fresh 18-class head: about ln 18 = 2.89
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-4)

@@ -222,7 +222,7 @@ def test_two_processes_clip_each_unit_once(tmp_path):
     import sys
     from pathlib import Path
 
-    from test_ddp_accelerate import ACCEL_CONFIG, _free_port
+    from utils import ACCEL_CONFIG, free_port
 
     root = Path(__file__).resolve().parents[1]
     script = str(root / "tests" / "privacy_unit_ddp_script.py")
@@ -231,7 +231,7 @@ def test_two_processes_clip_each_unit_once(tmp_path):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     for cmd in ([sys.executable, script, str(one), "6", "1"],
                 [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-                 "--main_process_port", str(_free_port()), script, str(two), "3", "1"]):
+                 "--main_process_port", str(free_port()), script, str(two), "3", "1"]):
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
     a, b = torch.load(one), torch.load(two)

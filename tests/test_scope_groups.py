@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from conftest import make_token_classification_dataset, make_token_dataset
+from utils import make_token_classification_dataset, make_token_dataset
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 

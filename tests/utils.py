@@ -1,6 +1,8 @@
 """Helpers shared by the test files (`from utils import ...`; pytest puts tests/ on the import path): datasets of
 random tokens, one DP step of DPTrainer against a brute-force loop, a stand-in for the Hub, a callback that stops."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from datasets import Dataset
@@ -135,3 +137,15 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+ACCEL_CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"
+
+
+def free_port() -> int:
+    """A free TCP port for `accelerate launch --main_process_port` (tests running side by side must not collide)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
