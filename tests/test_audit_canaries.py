@@ -17,16 +17,7 @@ SMALL_VIT = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
 N_TRAIN, M, K, EPOCHS = 300, 100, 20, 60
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on the shared 2-core machine, 2 threads per process under load made these tiny models'
-    training ~20× slower (spin-waiting), measured 481 s against 21 s for the same run."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
 
 
 def test_inclusion_draw_is_secret_by_default_and_ignores_global_seeds():

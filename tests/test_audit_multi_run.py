@@ -6,16 +6,7 @@ from transformers import TrainingArguments
 
 from hf_dp_repr.audit.multi_run import audit_from_losses, best_threshold, multi_run_audit
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on the shared 2-core machine, 2 threads per process under load made these tiny models'
-    training ~20× slower (spin-waiting), measured 481 s against 21 s for the same run."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
 
 
 def test_threshold_and_counts():
