@@ -269,3 +269,10 @@ def test_optimizer_refuses_a_unit_that_comes_back_after_it_was_clipped():
     with pytest.raises(RuntimeError, match="unit 0 appears again"):
         micro_batch([0])
     hooks.remove_hooks()
+
+
+def test_delta_is_checked_against_the_number_of_units(digits, tmp_path):
+    args = DPTrainingArguments(output_dir=str(tmp_path / "d"), target_epsilon=1.0, target_delta=0.2,
+                               privacy_unit="user_id", report_to="none")
+    with pytest.warns(UserWarning, match=r"n=6 training units"):
+        DPTrainer(model=tiny_vit(num_labels=10, seed=0), args=args, train_dataset=user_dataset(digits))
