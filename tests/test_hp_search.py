@@ -112,12 +112,14 @@ def test_private_search_reports_the_papernot_steinke_total(digits, tmp_path):
                                        accountant="rdp")
             curves.append(rdp_curve([(p.noise_multiplier, p.sample_rate, p.steps) for p in plan_run(args, 256).phases]))
     expected = search_epsilon(np.max(curves, axis=0), TrialCount.geometric(0.5), 1e-4)
-    for r in rows:
-        assert float(r["epsilon_search_total"]) == pytest.approx(expected, rel=1e-9)
-        assert float(r["epsilon_spent"]) == pytest.approx(TARGET, rel=0.01)
-        assert TARGET < expected
-        assert r["tuning_data"] == "private"
-        assert r["objective"] == "withheld (private)" or r["trial"] == best.run_id  # only the best score leaves
+    # Only the best trial leaves: the number of trials K (and the best one's index, a bound on K) stays secret.
+    assert len(rows) == 1 and rows[0]["trial"] == best.run_id == "best"
+    r = rows[0]
+    assert float(r["epsilon_search_total"]) == pytest.approx(expected, rel=1e-9)
+    assert float(r["epsilon_spent"]) == pytest.approx(TARGET, rel=0.01)
+    assert TARGET < expected
+    assert r["tuning_data"] == "private" and float(r["objective"]) == best.objective
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("run-")]  # no per-trial directory
 
 
 @pytest.mark.parametrize("kw,match", [
