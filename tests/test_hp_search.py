@@ -84,6 +84,7 @@ class PruneAfterFirstTrial(optuna.pruners.BasePruner):
         return trial.number > 0
 
 
+@pytest.mark.slow  # two trials evaluated every epoch
 def test_pruning_goes_through_evaluation(digits, tmp_path):
     trainer = make_trainer(digits, tmp_path, eval_strategy="epoch")
     fixed = lambda t: {"num_train_epochs": t.suggest_categorical("num_train_epochs", [2]),  # noqa: E731
