@@ -137,3 +137,21 @@ def test_what_cannot_be_private_is_refused(kw, match, digits, tmp_path):
     trainer = make_trainer(digits, tmp_path, max_steps=2)
     with pytest.raises(ValueError, match=match):
         trainer.hyperparameter_search(direction="maximize", **kw)
+
+
+def test_default_space_gives_valid_dp_arguments_for_every_draw(digits, tmp_path):
+    # No training: 40 draws of the default space set on the arguments and validated (as each trial does).
+    from hf_dp_repr.scope import phase_scopes
+    from hf_dp_repr.tuning.search import DPSearch, default_dp_hp_space
+
+    trainer = make_trainer(digits, tmp_path)
+    search = DPSearch(trainer, lambda t: default_dp_hp_space(t, depth=4, dataset_size=256), "public", None)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(40):
+        search.space(study.ask())
+        a = trainer.args
+        seen.add((a.trainable_blocks, a.trainable_groups))
+        assert a.per_device_train_batch_size <= 128 and a.clipping in ("flat", "automatic")
+        phase_scopes(tiny_vit(), a.trainable_blocks, a.lp_steps, None, a.trainable_groups)  # every scope is valid
+    assert (0, None) in seen and (None, "biases,head") in seen and (None, None) in seen
