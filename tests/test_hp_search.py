@@ -84,6 +84,7 @@ class PruneAfterFirstTrial(optuna.pruners.BasePruner):
         return trial.number > 0
 
 
+@pytest.mark.slow  # two trials evaluated every epoch
 def test_pruning_goes_through_evaluation(digits, tmp_path):
     trainer = make_trainer(digits, tmp_path, eval_strategy="epoch")
     fixed = lambda t: {"num_train_epochs": t.suggest_categorical("num_train_epochs", [2]),  # noqa: E731
@@ -112,12 +113,14 @@ def test_private_search_reports_the_papernot_steinke_total(digits, tmp_path):
                                        accountant="rdp")
             curves.append(rdp_curve([(p.noise_multiplier, p.sample_rate, p.steps) for p in plan_run(args, 256).phases]))
     expected = search_epsilon(np.max(curves, axis=0), TrialCount.geometric(0.5), 1e-4)
-    for r in rows:
-        assert float(r["epsilon_search_total"]) == pytest.approx(expected, rel=1e-9)
-        assert float(r["epsilon_spent"]) == pytest.approx(TARGET, rel=0.01)
-        assert TARGET < expected
-        assert r["tuning_data"] == "private"
-        assert r["objective"] == "withheld (private)" or r["trial"] == best.run_id  # only the best score leaves
+    # Only the best trial leaves: the number of trials K (and the best one's index, a bound on K) stays secret.
+    assert len(rows) == 1 and rows[0]["trial"] == best.run_id == "best"
+    r = rows[0]
+    assert float(r["epsilon_search_total"]) == pytest.approx(expected, rel=1e-9)
+    assert float(r["epsilon_spent"]) == pytest.approx(TARGET, rel=0.01)
+    assert TARGET < expected
+    assert r["tuning_data"] == "private" and float(r["objective"]) == best.objective
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("run-")]  # no per-trial directory
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -134,3 +137,21 @@ def test_what_cannot_be_private_is_refused(kw, match, digits, tmp_path):
     trainer = make_trainer(digits, tmp_path, max_steps=2)
     with pytest.raises(ValueError, match=match):
         trainer.hyperparameter_search(direction="maximize", **kw)
+
+
+def test_default_space_gives_valid_dp_arguments_for_every_draw(digits, tmp_path):
+    # No training: 40 draws of the default space set on the arguments and validated (as each trial does).
+    from hf_dp_repr.scope import phase_scopes
+    from hf_dp_repr.tuning.search import DPSearch, default_dp_hp_space
+
+    trainer = make_trainer(digits, tmp_path)
+    search = DPSearch(trainer, lambda t: default_dp_hp_space(t, depth=4, dataset_size=256), "public", None)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(40):
+        search.space(study.ask())
+        a = trainer.args
+        seen.add((a.trainable_blocks, a.trainable_groups))
+        assert a.per_device_train_batch_size <= 128 and a.clipping in ("flat", "automatic")
+        phase_scopes(tiny_vit(), a.trainable_blocks, a.lp_steps, None, a.trainable_groups)  # every scope is valid
+    assert (0, None) in seen and (None, "biases,head") in seen and (None, None) in seen

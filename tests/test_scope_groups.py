@@ -43,8 +43,8 @@ def train(model, dataset, tmp_path, **kw):
     # A small σ with a fixed noise seed: every trained parameter moves, and a trained parameter without a
     # per-sample gradient would make the DP optimizer raise.
     args = DPTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, learning_rate=1e-2,
-                               noise_multiplier=0.01, accountant="rdp", max_steps=2, report_to="none", save_strategy="no",
-                               disable_tqdm=True, seed=0, noise_seed=0, **kw)
+                               noise_multiplier=0.01, accountant="rdp", max_steps=2, report_to="none",
+                               save_strategy="no", disable_tqdm=True, seed=0, noise_seed=0, **kw)
     DPTrainer(model=model, args=args, train_dataset=dataset).train()
 
 

@@ -10,6 +10,7 @@ from hf_dp_repr.tiny import tiny_vit
 from hf_dp_repr.tuning.budget_split import sweep_budget_split, write_budget_split
 
 
+@pytest.mark.slow  # the docstring example of budget_split runs a smaller sweep in the fast suite
 def test_budget_split_sweep_spends_the_target_per_run_and_states_the_composed_cost(digits, tmp_path):
     args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=2.0, target_delta=1e-4, max_steps=4,
                                per_device_train_batch_size=64, trainable_blocks=1, report_to="none",

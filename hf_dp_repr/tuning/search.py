@@ -14,9 +14,12 @@ Two modes (`tuning_data`):
   `args.seed`); hyperparameters are drawn independently of the data (Optuna's RandomSampler on a secret seed: an
   adaptive sampler such as TPE, or a pruner, would let one trial depend on the private results of others, which
   the theorem does not cover); only the best trial is released (its model, kept in memory and saved under
-  `output_dir/best_trial`, and its score); the CSV and plot then show each trial's hyperparameters and ε (data-
-  independent) but no score except the best. The score is computed on `eval_dataset` outside DP-SGD: the theorem
-  covers it only if that data is public, so the caller must state `eval_data_public=True`.
+  `output_dir/best_trial`, and its score). K itself must stay secret (the bound holds for the best of a random,
+  unknown number of runs; knowing K = k leaves the best of k fixed runs): the CSV, the plot, the summary log and
+  the returned `BestRun` (run_id "best") show the best trial only, never the trial count or index. The Trainer's
+  console logs of each trial and the search's wall time still reveal K: keep them local. The score is computed on
+  `eval_dataset` outside DP-SGD: the theorem covers it only if that data is public, so the caller must state
+  `eval_data_public=True`.
 
 Writes `hp_search_trials.csv` and `hp_search_trials.png` into `args.output_dir`.
 """
@@ -190,6 +193,12 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
     search = DPSearch(trainer, hp_space, tuning_data, trial_count)
     private = tuning_data == "private"
     if private:
+        # The bound covers every schedule the space can draw, not only those drawn: probe the space (data-free)
+        # so that conditional schedule keys are seen too.
+        probe = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=secrets.randbits(32)))
+        for _ in range(64):
+            trial = probe.ask()
+            search._note_schedule_choices(trial, dict(hp_space(trial)))
         n_trials = trial_count.sample()  # secret randomness: OS entropy, never args.seed
         study_kwargs["sampler"] = optuna.samplers.RandomSampler(seed=secrets.randbits(32))
         study_kwargs["pruner"] = optuna.pruners.NopPruner()
@@ -241,7 +250,8 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
         trainer.model.load_state_dict(best["state"])
         trainer.model_wrapped = trainer.model
         trainer.save_model(os.path.join(args.output_dir, "best_trial"))
-    return BestRun(str(best_trial.number), best_trial.value, best_trial.params)
+    # With private data the best trial's index would bound the secret number of trials: it is not returned.
+    return BestRun("best" if private else str(best_trial.number), best_trial.value, best_trial.params)
 
 
 def _check_request(trainer, n_trials, direction, tuning_data, trial_count, eval_data_public, study_kwargs) -> None:
@@ -296,14 +306,15 @@ def _write_table(output_dir: str, search: DPSearch, study, best_trial, total: fl
     rows = []
     for r in search.records:
         t = trials.get(r["trial"])
-        shown = not private or (best_trial is not None and t.number == best_trial.number)
-        rows.append({"trial": r["trial"], "state": t.state.name if t else r.get("state"),
+        if private and (best_trial is None or t is None or t.number != best_trial.number):
+            continue  # the number of trials K must stay secret: only the best trial's row leaves
+        shown = True
+        rows.append({"trial": "best" if private else r["trial"], "state": t.state.name if t else r.get("state"),
                      **{k: r["params"].get(k, "") for k in keys},
                      "scope": r.get("scope", ""), "sigma": r.get("sigma", ""), "sample_rate": r.get("sample_rate", ""),
                      "steps": r.get("steps", ""), "epsilon_planned": r.get("epsilon_planned", ""),
                      "epsilon_spent": r.get("epsilon_spent", ""), "epsilon_trial_rdp": r.get("epsilon_trial_rdp", ""),
-                     "objective": (t.value if t is not None and t.value is not None and shown
-                                   else ("withheld (private)" if private else "")),
+                     "objective": t.value if t is not None and t.value is not None and shown else "",
                      "tuning_data": search.tuning_data,
                      "epsilon_search_total": "" if total is None else total})
     path = os.path.join(output_dir, "hp_search_trials.csv")
@@ -319,12 +330,11 @@ def _plot(path: str, rows: list[dict], target: float, total: float | None, priva
 
     fig = Figure(figsize=(9, 3.6))
     ax_obj, ax_eps = fig.subplots(1, 2)
-    xs = [r["trial"] for r in rows]
-    scored = [(r["trial"], r["objective"]) for r in rows if isinstance(r["objective"], float)]
+    xs = list(range(len(rows)))
+    scored = [(x, r["objective"]) for x, r in zip(xs, rows) if isinstance(r["objective"], float)]
     if scored:
         ax_obj.plot(*zip(*scored), "o-")
-    ax_obj.set(xlabel="trial", ylabel="objective", title="objective" + (" (only the best is released)" if private
-                                                                         else ""))
+    ax_obj.set(xlabel="trial", ylabel="objective", title="objective" + (" (best trial only)" if private else ""))
     eps = [r["epsilon_spent"] if isinstance(r["epsilon_spent"], float) else 0.0 for r in rows]
     ax_eps.bar(xs, eps, label="ε of each trial")
     ax_eps.axhline(target, color="k", ls=":", label=f"target ε = {target:g}")
@@ -337,16 +347,21 @@ def _plot(path: str, rows: list[dict], target: float, total: float | None, priva
 
 
 def _announce(search: DPSearch, total, best_trial, target) -> None:
-    lines = [f"hyperparameter_search ({search.tuning_data} data): {len(search.records)} trials"]
+    private = search.tuning_data == "private"
+    lines = [f"hyperparameter_search ({search.tuning_data} data): " + (
+        "the number of trials stays secret; the best trial:" if private else f"{len(search.records)} trials")]
     for r in search.records:
+        if private and (best_trial is None or r["trial"] != best_trial.number):
+            continue
         eps = r.get("epsilon_spent")
-        lines.append(f"  trial {r['trial']}: ε = {eps:.4f} (target {target:g}), σ = {r.get('sigma')}, "
-                     f"{r.get('steps')} steps" if eps is not None else f"  trial {r['trial']}: did not train")
+        name = "best" if private else r["trial"]
+        lines.append(f"  trial {name}: ε = {eps:.4f} (target {target:g}), σ = {r.get('sigma')}, "
+                     f"{r.get('steps')} steps" if eps is not None else f"  trial {name}: did not train")
     if total is not None:
         lines.append(f"  whole search (Papernot-Steinke, {search.trial_count.describe()}): ε = {total:.4f} at δ = "
                      f"{search.baseline.target_delta:g}")
     else:
         lines.append(f"  whole search: not charged to the private budget (tuning_data={search.tuning_data!r})")
     if best_trial is not None:
-        lines.append(f"  best trial {best_trial.number}: {best_trial.params}")
+        lines.append(f"  best trial {'' if private else best_trial.number}: {best_trial.params}")
     logger.warning("\n".join(lines))

@@ -50,6 +50,7 @@ def run_seed000(output_dir: str, epsilons=(1.0, 8.0), ks=None, n_trials: int = 4
                 hp_space=None, progress: bool = True) -> dict:
     """Run the sweep and write `output_dir/report.md`, `results.csv`, `summary.json`, `accuracy_vs_k.png`,
     `fuzziness_by_layer.png`. Returns the summary."""
+    import optuna
     from tqdm.auto import tqdm
     from transformers import ViTForImageClassification
 
@@ -77,8 +78,10 @@ def run_seed000(output_dir: str, epsilons=(1.0, 8.0), ks=None, n_trials: int = 4
                                        target_epsilon=eps, trainable_blocks=k, **common)
             search = DPTrainer(model_init=load, args=args, train_dataset=tune_train, eval_dataset=tune_eval,
                                compute_metrics=accuracy)
-            best = search.hyperparameter_search(hp_space=hp_space or seed000_space, n_trials=n_trials, direction="maximize",
-                                                tuning_data="public", keep_best_model=False)
+            best = search.hyperparameter_search(hp_space=hp_space or seed000_space, n_trials=n_trials,
+                                                direction="maximize",
+                                                tuning_data="public", keep_best_model=False,
+                                                sampler=optuna.samplers.TPESampler(seed=len(rows)))  # fresh per (ε, k)
             tuned = dict(best.hyperparameters)
             constant = {"learning_rate": constant_learning_rate, "num_train_epochs": constant_epochs}
             for kind, params in (("tuned", tuned), ("constant_lr", constant)):
@@ -130,7 +133,8 @@ def write_report(output_dir: str, rows: list[dict], n_trials: int, delta: float)
              f"δ = {delta:g}; {n_trials} Optuna trials per (ε, k), trained and scored on the public split only "
              "(tuning_data='public': the search spends none of the private budget); each final run spends its ε on "
              "the private split; accuracy and D_l on the test split.", "",
-             "| ε | k | run | test accuracy | ε spent | ρ (D_l) | hyperparameters |", "|---|---|---|---|---|---|---|"]
+             "| ε | k | run | test accuracy | ε spent | ρ (D_l) | hyperparameters |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['epsilon_target']:g} | {r['k']} | {r['run']} | {100 * r['accuracy']:.1f} % | "
                      f"{r['epsilon_spent']:.3f} | {r['rho']:.3f} | {r['params']} |")

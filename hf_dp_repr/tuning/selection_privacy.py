@@ -6,7 +6,7 @@ drawn at random (from secret randomness) from a known distribution, and release 
 of Q is (λ, ε(λ))-RDP, the search A is (λ, ε'(λ))-RDP with:
 
 - K ~ truncated negative binomial D(η, γ), η > -1, 0 < γ < 1 (Theorem 2; η = 1: geometric, η = 0: logarithmic):
-      ε'(λ) = ε(λ) + (1 + η)(1 - 1/λ̂) ε(λ̂) + (1 + η) log(1/γ) / λ̂ + log(E[K]) / (λ - 1)   for any λ̂ ≥ 1,
+      ε'(λ) = ε(λ) + (1 + η)(1 - 1/λ̂) ε(λ̂) + (1 + η) log(1/γ) / λ̂ + log(E[K]) / (λ - 1)  (any λ̂ ≥ 1),
       E[K] = η (1 - γ) / (γ (1 - γ^η))   (η ≠ 0),   (1/γ - 1) / log(1/γ)   (η = 0);
   λ̂ is chosen to minimise the bound (over the same grid of orders).
 - K ~ Poisson(μ) (Theorem 6; K = 0 releases nothing): if Q is (ε̂, δ̂)-DP with ε̂ = log(1 + 1/(λ - 1)),
@@ -128,7 +128,7 @@ def delta_at(curve, epsilon: float, orders=ORDERS) -> float:
 
 
 def selection_rdp(curve, count: TrialCount, orders=ORDERS, orders_hat=None) -> np.ndarray:
-    """ε'(λ) of the search at each order λ in `orders`, for base curve ε(λ) given at `orders` (Papernot–Steinke)."""
+    """ε'(λ) of the search at each order λ in `orders`, for the base curve ε(λ) at `orders` (Papernot–Steinke)."""
     orders = np.asarray(orders, dtype=float)
     curve = np.asarray(curve, dtype=float)
     log_ek = math.log(count.expected())
