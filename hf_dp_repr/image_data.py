@@ -12,7 +12,7 @@ the linear probe can then cache the backbone's features (a transform would disab
 
     >>> import numpy as np
     >>> per_class_indices(np.array([0, 1, 0, 1, 0, 1]), 2, seed=0).tolist()
-    [0, 1, 2, 3]
+    [0, 3, 4, 5]
     >>> from transformers import Dinov2Config
     >>> proc, how = image_processor_for("my/dinov2-folder", Dinov2Config(), pretrained=False)
     >>> proc.size["height"], [round(m, 3) for m in proc.image_mean], "DINOv2" in how

@@ -48,6 +48,8 @@ from collections import Counter
 
 from torch import nn
 
+from .privacy.attributes import clear_dp_attributes
+
 # LoraConfig fields whose non-default values are verified to give exact per-example gradients (and no data
 # access outside DP-SGD). Any other LoraConfig field set away from its default is refused: new PEFT options
 # are LoRA variants or data-dependent initialisations until a brute-force test says otherwise.
@@ -70,7 +72,14 @@ def _peft():
     return peft
 
 
+def has_peft_adapters(model) -> bool:
+    """The one test for "PEFT decides what trains": a `PeftModel`, or a transformers model with adapters loaded
+    (`load_adapter`); both carry `peft_config`. (`is_peft_model`: only the former can `merge_and_unload`.)"""
+    return hasattr(model, "peft_config")
+
+
 def is_peft_model(model) -> bool:
+    """A `peft.PeftModel` wrapper (what `save_merged_model` can merge)."""
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover
@@ -199,10 +208,8 @@ def save_merged_model(model, output_dir: str | os.PathLike, safe_serialization: 
         raise RuntimeError(f"save_merged_model: parameters {stale[:3]} still hold per-example gradients; "
                            "save after the training step (DPTrainer detaches its hooks after train()).")
     merged = copy.deepcopy(model).merge_and_unload(safe_merge=True)
-    for p in merged.parameters():  # bookkeeping the trainer attached to the live parameters
-        for attr in ("_dp_name", "summed_grad", "_forward_counter"):
-            if hasattr(p, attr):
-                delattr(p, attr)
+    clear_dp_attributes(merged.parameters())  # bookkeeping the trainer attached to the live parameters
+    for p in merged.parameters():
         p.requires_grad_(True)
     merged.save_pretrained(output_dir, safe_serialization=safe_serialization)
     return merged

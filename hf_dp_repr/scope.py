@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .errors import ScopeError  # noqa: F401  (defined in errors.py, importable from here as before)
+from .lora import has_peft_adapters
 
 
 @dataclass
@@ -91,7 +92,7 @@ def head_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | None = None) -> Scope:
     """The scope of `trainable_blocks = k`: head only for k = 0, else the last k blocks + what follows + head."""
-    if hasattr(model, "peft_config"):
+    if has_peft_adapters(model):
         raise ScopeError("trainable_blocks with a PEFT model: LoRA already decides what trains (the adapters). "
                          "Use either peft_config or trainable_blocks, not both.")
     head = head_modules(model)

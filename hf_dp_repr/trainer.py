@@ -36,10 +36,12 @@ from transformers.utils import logging
 
 from .cached_head import prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
+from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
+from .privacy.attributes import clear_dp_attributes
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
@@ -85,7 +87,7 @@ class DPTrainer(DPSavingMixin, Trainer):
             from .lora import apply_peft_config
 
             model = apply_peft_config(model, peft_config)
-        elif model is not None and hasattr(model, "peft_config"):
+        elif model is not None and has_peft_adapters(model):
             from .lora import check_peft_model
 
             check_peft_model(model)
@@ -237,7 +239,7 @@ class DPTrainer(DPSavingMixin, Trainer):
 
     def describe_scope(self, phase: int | None = None) -> str:
         """What trains, in one line (for a phase index, or the whole run)."""
-        if hasattr(self.model, "peft_config"):
+        if has_peft_adapters(self.model):
             trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             return f"PEFT adapters ({type(self.model).__name__}): {trained:,} trainable parameters"
         if not self._scopes:
@@ -262,10 +264,7 @@ class DPTrainer(DPSavingMixin, Trainer):
 
     def _detach_hooks(self) -> None:
         self._remove_hooks()
-        for p in self.model.parameters():
-            for attr in ("grad_sample", "summed_grad", "_forward_counter"):
-                if hasattr(p, attr):
-                    delattr(p, attr)
+        clear_dp_attributes(self.model.parameters())
 
     def _announce_plan(self) -> None:
         if not self.is_world_process_zero():  # once, not once per process
