@@ -31,6 +31,8 @@ import re
 
 from torch import nn
 
+from .errors import ScopeError
+
 NAMED_GROUPS = ("head", "norms", "biases", "attention", "mlp")
 BLOCK_SELECTORS = ("<index>", "first:k", "last:k", "every_other", "every_other:odd")
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
@@ -47,11 +49,11 @@ def parse_groups(spec) -> list[str | int]:
         if isinstance(token, bool) or not (isinstance(token, int) or token in NAMED_GROUPS
                                            or token in ("every_other", "every_other:odd")
                                            or (isinstance(token, str) and re.fullmatch(r"(first|last):\d+", token))):
-            raise ValueError(f"trainable_groups: unknown selector {item!r}. Valid: the groups {', '.join(NAMED_GROUPS)}"
+            raise ScopeError(f"trainable_groups: unknown selector {item!r}. Valid: the groups {', '.join(NAMED_GROUPS)}"
                              f" and the block selectors {', '.join(BLOCK_SELECTORS)} (e.g. 'first:2,norms,head').")
         out.append(token)
     if not out:
-        raise ValueError("trainable_groups is empty; name at least one group or block (e.g. 'last:2,head').")
+        raise ScopeError("trainable_groups is empty; name at least one group or block (e.g. 'last:2,head').")
     return out
 
 
@@ -61,13 +63,13 @@ def block_indices(selectors: list[str | int], depth: int, stack_name: str) -> li
     for s in selectors:
         if isinstance(s, int):
             if not -depth <= s < depth:
-                raise ValueError(f"trainable_groups: block index {s} is out of range: {stack_name} has {depth} blocks, "
+                raise ScopeError(f"trainable_groups: block index {s} is out of range: {stack_name} has {depth} blocks, "
                                  f"valid indices are 0..{depth - 1} (or -{depth}..-1 from the end).")
             picked.add(s % depth)
         elif s.startswith(("first:", "last:")):
             k = int(s.split(":")[1])
             if not 1 <= k <= depth:
-                raise ValueError(f"trainable_groups: {s!r} asks for {k} blocks, but {stack_name} has {depth}; "
+                raise ScopeError(f"trainable_groups: {s!r} asks for {k} blocks, but {stack_name} has {depth}; "
                                  f"use 1..{depth}.")
             picked.update(range(k) if s.startswith("first:") else range(depth - k, depth))
         elif s.startswith("every_other"):
@@ -90,7 +92,7 @@ def attention_module(block: nn.Module, where: str) -> nn.Module:
         if name and _ATTENTION_NAME.search(name.rsplit(".", 1)[-1]):
             return module
     children = [n for n, _ in block.named_children()]
-    raise ValueError(f"trainable_groups: no attention submodule found in {where} (its children: {children}); "
+    raise ScopeError(f"trainable_groups: no attention submodule found in {where} (its children: {children}); "
                      "the groups 'attention' and 'mlp' need a child named like 'attention' or 'attn'.")
 
 

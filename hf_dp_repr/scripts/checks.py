@@ -50,7 +50,8 @@ def check_before_work(model, train, training_args):
     if len(train) == 0:
         raise RecipeArgumentError("the private training set is empty: lower --public_fraction or check the dataset.")
     check_model_is_privatizable(model)
-    phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack)  # ScopeError names the block count
+    phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack,  # ScopeError names the block count
+                 args.trainable_groups)
     n = len(train)
     if args.privacy_unit != "row":  # units are counted (and missing ids refused) now, not after pre-training
         from hf_dp_repr.privacy.units import column_values, unit_rows
