@@ -306,11 +306,25 @@ def states_for(model: nn.Module, cut: CutPoint, dataset, collator, args) -> Cach
     if key in _STORE:
         _STORE.move_to_end(key)
         return _STORE[key]
+    if len(dataset) > 1 and (reason := _varying_length_reason(dataset, collator)):
+        raise NotCacheable(reason)
     loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
     entry = compute_prefix_states(model, cut, loader, args.device, args.cache_features_max_memory_gb,
                                   args.cache_features_max_disk_gb, show_progress=not args.disable_tqdm)
     _STORE[key] = entry
     return entry
+
+
+def _varying_length_reason(dataset, collator) -> str | None:
+    """Why a row's collated shape may depend on its batch (None if it does not): a collator padding each batch to
+    its longest row gives the same example different hidden-state shapes."""
+    together = collator([dataset[i] for i in range(min(len(dataset), 64))])
+    for i in range(min(len(dataset), 8)):
+        for key, value in collator([dataset[i]]).items():
+            if torch.is_tensor(value) and value.shape[1:] != together[key].shape[1:]:
+                return (f"the collator pads each batch to its longest row (`{key}`: {tuple(value.shape[1:])} alone, "
+                        f"{tuple(together[key].shape[1:])} in a batch); pad to a fixed max_length to cache")
+    return None
 
 
 def prepare_prefix_cache(model: nn.Module, scopes: list, args, train_dataset, dataset_and_collator

@@ -130,6 +130,13 @@ def test_feature_pass_is_paid_once_per_process_and_reused_for_evaluation(digits,
     assert math.isclose(cached_eval["eval_loss"], plain_eval["eval_loss"], rel_tol=1e-5)
 
 
+def pad_to_longest(rows):
+    length = max(len(r["input_ids"]) for r in rows)
+    pad = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {k: torch.stack([torch.cat([torch.as_tensor(r[k]), torch.full((length - len(r[k]),), v)]) for r in rows])
+            for k, v in pad.items()}
+
+
 def test_falls_back_with_the_reason_logged(digits, tmp_path):
     logger = logging.get_logger("hf_dp_repr.trainer")
     cases = [  # GPT-2's lm_head is its input embedding: training it changes the prefix
@@ -137,11 +144,15 @@ def test_falls_back_with_the_reason_logged(digits, tmp_path):
         (tiny_vit(), data_for("digits", digits).with_transform(lambda b: b), {}, "transform"),
         (tiny_vit(), data_for("digits", digits), {"cache_features_max_memory_gb": 1e-6}, "over cache_features_max"),
     ]
+    ragged = make_token_dataset(n=32).map(lambda row: {k: v[:int(row["attention_mask"].sum())] for k, v in row.items()})
+    cases.append((tiny_gpt2(n_layer=3, tie_word_embeddings=False), ragged, {}, "pads each batch to its longest row"))
     for model, data, kw, reason in cases:
         with CaptureLogger(logger) as cl:
             trainer = make_trainer(model, data, tmp_path, **kw)
+            if data is ragged:
+                trainer.data_collator = pad_to_longest
             trainer.train()
-        assert trainer._prefix_states is None and reason in cl.out and "not cached" in cl.out
+        assert trainer._prefix_states is None and reason in cl.out and "not cached" in cl.out, reason
     with pytest.raises(ValueError, match="cache_features=True, but parameters below block 2 train"):
         make_trainer(tiny_gpt2(n_layer=3), make_token_dataset(n=32), tmp_path, cache_features=True).train()
     with pytest.raises(ValueError, match="cache_features=True with trainable_blocks=None"):
