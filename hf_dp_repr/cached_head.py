@@ -109,9 +109,7 @@ def prepare_cached_head(model: torch.nn.Module, scopes: list, args, train_datase
     as the Trainer would feed it."""
     head_only = len(scopes) == 1 and scopes[0].head_only
     if args.cache_features is False or not head_only or train_dataset is None:
-        if args.cache_features and not head_only:
-            raise ValueError("DPTrainer: cache_features=True needs a linear probe (trainable_blocks=0, no lp_steps).")
-        return None, None, None
+        return None, None, None  # trainable_blocks=k: the frozen prefix is cached instead (prefix_cache)
     forced = bool(args.cache_features)
     head_names = scopes[0].head_modules
     reason = structural_reason_not_to_cache(model, head_names)

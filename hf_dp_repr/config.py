@@ -124,9 +124,23 @@ class DPTrainingArguments(TrainingArguments):
     )
     cache_features: bool | None = field(
         default=None,
-        metadata={"help": "Linear probing (trainable_blocks=0) on backbone features computed once (the frozen backbone "
-                  "runs in eval mode), so an epoch costs a head-sized step. None (default): when the dataset has no "
-                  "transform; False: never (e.g. with random augmentation); True: always."},
+        metadata={"help": "Compute what the frozen part of the model feeds the trained part once, and train (and "
+                  "evaluate) on it: the head's inputs for a linear probe (trainable_blocks=0), the hidden states "
+                  "entering the first trained block for trainable_blocks=k (also in the linear-probing phase of "
+                  "lp_steps). The frozen part runs in eval mode, cached or not. None (default): when it gives the "
+                  "same updates (no transform on the dataset, nothing below the scope trains, fixed-length rows, "
+                  "within the size bounds), else the uncached path with the reason logged; False: never (e.g. "
+                  "random augmentation); True: always, or an error."},
+    )
+    cache_features_max_memory_gb: float = field(
+        default=4.0,
+        metadata={"help": "Most memory (GiB) the cached features of this process may take (oldest dropped first)."},
+    )
+    cache_features_max_disk_gb: float = field(
+        default=0.0,
+        metadata={"help": "Features over the memory bound go to a numpy memmap in a fresh temporary folder (never "
+                  "output_dir; deleted at exit) up to this size (GiB). 0 (default): never on disk (they are "
+                  "features of private data); over the memory bound the run is uncached (logged)."},
     )
     privacy_unit: str = field(
         default="row",
@@ -266,6 +280,7 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
                  "public_plateau_patience"):
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
             raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
+    _validate_cache_fields(args)
     if args.hub_token:
         raise DPConfigError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
@@ -368,3 +383,13 @@ def _validate_lp_fields(args: DPTrainingArguments) -> None:
     if args.lp_per_device_train_batch_size is not None and not args.poisson_sampling:
         raise DPConfigError("DPTrainingArguments: lp_per_device_train_batch_size needs poisson_sampling=True "
                          "(fixed-size shuffled batches cannot change size mid-run).")
+
+
+def _validate_cache_fields(args: DPTrainingArguments) -> None:
+    for name in ("cache_features_max_memory_gb", "cache_features_max_disk_gb"):
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} must be >= 0 (GiB).")
+    if args.cache_features and args.trainable_blocks is None:
+        raise ValueError("DPTrainingArguments: cache_features=True with trainable_blocks=None: full fine-tuning has "
+                         "no frozen part to cache. Set trainable_blocks=k (0 = linear probe) or leave "
+                         "cache_features=None.")

@@ -34,12 +34,14 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import ModelOutput
 from transformers.utils import logging
 
-from .cached_head import prepare_cached_head, set_probe_modes
+from .cached_head import NotCacheable, prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
 from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
+from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, prepare_prefix_cache, run_from_states,
+                           set_frozen_prefix_modes, states_for)
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.attributes import clear_dp_attributes
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
@@ -105,6 +107,8 @@ class DPTrainer(DPSavingMixin, Trainer):
         self._applied_phase: int | None = None
         self._cached_head: str | None = None  # name of the head module trained on cached inputs, if any
         self._cached_inputs = None
+        self._prefix_cut = None  # trainable_blocks=k: where the frozen prefix ends (prefix_cache.CutPoint)
+        self._prefix_states = None  # the training set's cached prefix states, if used
         self._dp_optimizer = None
         self._grad_sample_hooks = None
         self._batch_sampler = None
@@ -142,6 +146,8 @@ class DPTrainer(DPSavingMixin, Trainer):
             dataset, collator = self._cached_inputs, default_data_collator
         else:
             dataset, collator = self._train_dataset_and_collator()
+            if self._prefix_states is not None:
+                dataset, collator = StatesDataset(dataset, self._prefix_states.states), StatesCollator(collator)
         plan = self.privacy_plan()
         n = plan.dataset_size  # rows, or units
         batch = plan.phases[-1].expected_batch_size
@@ -313,6 +319,9 @@ class DPTrainer(DPSavingMixin, Trainer):
         scope = self._scopes[min(self._applied_phase or 0, len(self._scopes) - 1)] if self._scopes else None
         if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
             set_probe_modes(self.model, scope.head_modules)
+        elif self._prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
+            set_frozen_prefix_modes(self.model, self._prefix_cut)
+        states = inputs.pop(STATES_KEY, None)
         inputs = self._prepare_inputs(inputs)
         if "labels" not in inputs:
             raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")
@@ -325,12 +334,40 @@ class DPTrainer(DPSavingMixin, Trainer):
             with self.compute_loss_context_manager():
                 if self._cached_head is not None:
                     outputs = ModelOutput(logits=self.model.get_submodule(self._cached_head)(inputs["features"]))
+                elif states is not None:  # only the trained blocks run, from the cached states
+                    with run_from_states(self.model, self._prefix_cut.stack_name, self._prefix_cut.first, states):
+                        outputs = model(**inputs)
                 else:
                     outputs = model(**inputs)
                 losses = self.per_example_loss(outputs, labels)
             self.accelerator.backward(losses.sum())
         self._dp_optimizer.accumulate_micro_batch(unit_ids)
         return losses.detach().mean() / self.current_gradient_accumulation_steps
+
+    # ---- evaluation on the cached prefix states -----------------------------------------------------------
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        """When training ran on cached prefix states, evaluation does too (the eval set's states are computed once
+        per process and frozen weights)."""
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        dataset = self.eval_dataset if dataset is None else dataset
+        if self._prefix_states is None or not isinstance(dataset, datasets.Dataset):
+            return super().get_eval_dataloader(eval_dataset)
+        dataset = self._remove_unused_columns(dataset, description="evaluation")
+        try:
+            entry = states_for(self.model, self._prefix_cut, dataset, self.data_collator, self.args)
+        except NotCacheable as e:
+            logger.warning(f"DPTrainer: evaluation without cached prefix states ({e}).")
+            return super().get_eval_dataloader(eval_dataset)
+        return self.accelerator.prepare(DataLoader(
+            StatesDataset(dataset, entry.states), batch_size=self.args.eval_batch_size,
+            collate_fn=StatesCollator(self.data_collator), num_workers=self.args.dataloader_num_workers))
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        states = inputs.pop(STATES_KEY, None)
+        if states is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        with run_from_states(self.model, self._prefix_cut.stack_name, self._prefix_cut.first, states):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # DP-SGD sums per-example losses itself; the Trainer's count would also crash on an empty micro-batch.
@@ -369,6 +406,13 @@ class DPTrainer(DPSavingMixin, Trainer):
         if no_cache:
             logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
                            "backbone.")
+        # Hidden states are cached per row (not with privacy units), and from this model (not with model_init).
+        self._prefix_cut, self._prefix_states, no_cache = prepare_prefix_cache(
+            self.model, [] if self.model_init is not None or self._unit_rows is not None else self._scopes,
+            self.args, self.train_dataset, self._train_dataset_and_collator)
+        if no_cache:
+            logger.warning(f"DPTrainer: frozen blocks below block {self._prefix_cut.first} not cached ({no_cache}); "
+                           "each step runs them.")
         state = "failed"
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
