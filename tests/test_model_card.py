@@ -192,16 +192,13 @@ def test_card_refreshed_from_the_folder_alone_keeps_what_the_caller_said(trained
         refresh_model_card(folder)
 
 
-_Capture = HubCapture  # the old name, for tests that import it from here
-
-
 def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, monkeypatch, capsys, tmp_path):
     trainer, out = trained
     _law_file(out)
     (out / "representation_law.png").write_bytes(b"png")
     secret = "hf_SECRETtokenNEVERwritten123"
     monkeypatch.setenv("HF_TOKEN", secret)
-    hub = _Capture(monkeypatch)
+    hub = HubCapture(monkeypatch)
     trainer.args.hub_model_id = "someone/dp-digits"
     card_before = (out / "README.md").read_bytes()
     with pytest.raises(ValueError, match="all_results.json holds train_loss, computed on the private data"):
@@ -225,7 +222,7 @@ def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, monkeypat
 
 def test_trainer_push_to_hub_sends_the_dp_card_through_the_allow_list(trained, monkeypatch):
     trainer, out = trained
-    hub = _Capture(monkeypatch)
+    hub = HubCapture(monkeypatch)
     trainer.args.hub_model_id = "someone/dp-digits-2"
     trainer.create_model_card(model_name="x")  # the Trainer's generic card must not replace the DP card
     assert "differential-privacy" in ModelCard.load(out / "README.md").data.tags

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_token_classification_dataset, make_token_dataset
-from test_model_card import _Capture
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
+from utils import HubCapture, make_token_classification_dataset, make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.prefix_cache import _FOLDERS, _STORE, clear_feature_cache
@@ -176,7 +175,7 @@ def test_states_over_the_memory_bound_go_to_a_temporary_folder_never_the_output_
 def test_cached_states_reach_no_file_of_output_dir_and_no_push(digits, tmp_path, monkeypatch):
     """Every file the run writes (checkpoints, final save, metrics) and every pushed byte is searched for the
     cached states of the first training example."""
-    hub = _Capture(monkeypatch)
+    hub = HubCapture(monkeypatch)
     out = tmp_path / "out"
     trainer = make_trainer(tiny_vit(), data_for("digits", digits), out, save_strategy="steps", save_steps=2,
                            push_to_hub=True, hub_model_id="someone/prefix", hub_always_push=True)
