@@ -10,25 +10,16 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.model_card import write_model_card
 from hf_dp_repr.privacy.units import UnitPoissonBatchSampler, describe_unit, sum_per_unit, unit_rows
 from hf_dp_repr.tiny import tiny_vit
+from utils import CaptureUpdate
 
 # 6 users, 20 rows: "big" has 11 rows, more than a micro-batch of 10 (2 micro-batches), so it always spans
 # micro-batches; "solo" has 1 row, the others 2 each.
 USERS = ["big"] * 11 + ["solo"] + ["u1", "u1", "u2", "u2", "u3", "u3", "u4", "u4"]
-
-
-class CaptureUpdate(TrainerCallback):
-    def __init__(self):
-        self.grads = None
-
-    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def user_dataset(digits, users=USERS):
