@@ -198,7 +198,8 @@ class GhostClippingEngine:
                             "not a tensor; use clipping_engine='hooks'.")
         if not output.requires_grad:  # nothing trained below: the gradient starts here
             output = output.detach().requires_grad_(True)
-        use = [tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs), None]
+        saved = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
+        use = [saved, None, [x._version for x in saved if isinstance(x, torch.Tensor)]]
         self._uses.setdefault(module, []).append(use)
 
         def keep_grad(grad, use=use):
@@ -211,9 +212,13 @@ class GhostClippingEngine:
         if self._pieces is None:
             self._pieces = {}
             for module, uses in self._uses.items():
-                for inputs, grad in uses:
+                for inputs, grad, versions in uses:
                     if grad is None:  # this use's output did not reach the loss
                         continue
+                    if versions != [x._version for x in inputs if isinstance(x, torch.Tensor)]:
+                        # autograd would refuse too: the norms would be computed on the wrong activations
+                        raise RuntimeError(f"GhostClippingEngine: the input of {type(module).__name__} was modified "
+                                           "in place after its forward; use clipping_engine='hooks'.")
                     for p, kind, *data in _pieces(module, inputs, grad):
                         self._pieces.setdefault(p, []).append((kind, *data))
             self._uses = {}
@@ -224,7 +229,7 @@ class GhostClippingEngine:
 
     def squared_norms(self) -> dict[nn.Parameter, torch.Tensor]:
         """Per-example squared gradient norm of every trained tensor that got a gradient, float32 (B,)."""
-        norms = {}
+        norms, grams = {}, {}
         for p, pieces in self._collect().items():
             factored = [x for x in pieces if x[0] == "factors"]
             explicit = [x[1].reshape(len(x[1]), -1) for x in pieces if x[0] == "explicit"]
@@ -242,10 +247,20 @@ class GhostClippingEngine:
             for u, (_, lu, ru) in enumerate(factored):  # Σ over pairs of uses, cross terms twice
                 for v in range(u, len(factored)):
                     _, lv, rv = factored[v]
-                    term = (_gram(lu, lv) * _gram(ru, rv)).sum((1, 2))
+                    term = (self._cached_gram(lu, lv, grams) * self._cached_gram(ru, rv, grams)).sum((1, 2))
                     norm = norm + (term if u == v else 2 * term)
             norms[p] = norm
         return norms
+
+    @staticmethod
+    def _cached_gram(x, y, cache: dict) -> torch.Tensor:
+        """Gram of a factor with itself computed once per input tensor (q, k, v projections share theirs)."""
+        if x is not y or isinstance(x, _Index):
+            return _gram(x, y)
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype)
+        if key not in cache:
+            cache[key] = _gram(x, x)
+        return cache[key]
 
     @staticmethod
     def _explicit_is_cheaper(factored: list) -> bool:
