@@ -3,8 +3,9 @@
 All runs train the same model (same random init) on the same fixed-size batches in one process, one after the
 other: the non-private `transformers.Trainer`, `DPTrainer` with `clipping_engine="ghost"` and `"hooks"`, and
 Opacus as a user would write it (`PrivacyEngine.make_private`, per-sample gradient hooks, a plain loop).
-Each run takes `--warmup` steps (not measured), then `--steps` measured steps; the table gives the median
-samples/s over the measured steps, the peak memory and each run's ratio to the non-private Trainer.
+Each run takes `--warmup` steps (not measured), then `--steps` measured steps, and the set of runs is repeated
+`--rounds` times, interleaved; the table gives the median samples/s over all measured steps, the peak memory
+and each run's ratio to the non-private Trainer.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above the memory held before the run. On CPU (torch has no
 allocator statistics there), the peak resident set size (RSS, sampled every millisecond from /proc) above the RSS
@@ -213,13 +214,16 @@ RUNS = {  # label: (runner, engine)
 def benchmark(name: str) -> list[tuple]:
     make_model, data, batch = build(name)
     params = sum(p.numel() for p in make_model().parameters())
-    print(f"\n{name}: {params / 1e6:.2f}M parameters, batch {batch}, {ARGS.steps} measured steps after "
-          f"{ARGS.warmup} warm-up, device {ARGS.device}, {torch.get_num_threads()} threads", flush=True)
-    rows = []
-    for label, (runner, engine) in RUNS.items():
-        with PeakMemory(ARGS.device) as memory, contextlib.redirect_stdout(io.StringIO()):  # the Trainer's metrics
-            times = runner(make_model, data, batch, engine)
-        rows.append((label, batch / statistics.median(times), memory.peak / 2**20))
+    print(f"\n{name}: {params / 1e6:.2f}M parameters, batch {batch}, {ARGS.rounds} × {ARGS.steps} measured steps "
+          f"after {ARGS.warmup} warm-up each, device {ARGS.device}, {torch.get_num_threads()} threads", flush=True)
+    times = {label: [] for label in RUNS}
+    peaks = {label: 0 for label in RUNS}
+    for _ in range(ARGS.rounds):  # interleaved rounds: a load change on a shared machine hits every run alike
+        for label, (runner, engine) in RUNS.items():
+            with PeakMemory(ARGS.device) as memory, contextlib.redirect_stdout(io.StringIO()):  # Trainer metrics
+                times[label] += runner(make_model, data, batch, engine)
+            peaks[label] = max(peaks[label], memory.peak)
+    rows = [(label, batch / statistics.median(times[label]), peaks[label] / 2**20) for label in RUNS]
     base_speed, base_memory = rows[0][1], rows[0][2]
     hooks_speed = rows[-1][1]
     print(f"| {'run':<22} | samples/s | × non-private | × Opacus hooks | peak MiB | × non-private |")
@@ -239,6 +243,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the set of runs, interleaved (median of all)")
     parser.add_argument("--clipping", default="flat", choices=["flat", "per_layer", "automatic"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny models, 1 warm-up + 2 steps (a smoke test)")

@@ -109,11 +109,27 @@ def _gram(x, y) -> torch.Tensor:
 
 def _weighted_sum(c: torch.Tensor, left, right: torch.Tensor) -> torch.Tensor:
     """Σ_i c_i Σ_t L_it ⊗ R_it, shape (p, q)."""
-    weighted = (right * c[:, None, None]).flatten(0, 1)
     if isinstance(left, _Index):
+        weighted = (right * c[:, None, None]).flatten(0, 1)
         out = torch.zeros(left.rows, right.shape[-1], dtype=right.dtype, device=right.device)
         return out.index_add_(0, left.ids.flatten(), weighted)
-    return left.flatten(0, 1).transpose(0, 1) @ weighted
+    if left.shape[-1] <= right.shape[-1]:  # scale the smaller factor
+        left = left * c[:, None, None].to(left.dtype)
+    else:
+        right = right * c[:, None, None].to(right.dtype)
+    return left.flatten(0, 1).transpose(0, 1) @ right.flatten(0, 1)
+
+
+def _patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """Conv2d inputs unfolded to (B, C·kh·kw, L). A patch embedding (stride = kernel, no padding) is a reshape,
+    where F.unfold (im2col) took a third of the norm time of a ViT on CPU."""
+    (kh, kw), (h, w) = conv.kernel_size, x.shape[-2:]
+    if (tuple(conv.stride) == (kh, kw) and tuple(conv.padding) == (0, 0) and tuple(conv.dilation) == (1, 1)
+            and h % kh == 0 and w % kw == 0):
+        b, c = x.shape[:2]
+        x = x.reshape(b, c, h // kh, kh, w // kw, kw).permute(0, 1, 3, 5, 2, 4)
+        return x.reshape(b, c * kh * kw, (h // kh) * (w // kw))
+    return F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
 
 
 def _pieces(module: nn.Module, inputs: tuple, grad: torch.Tensor) -> list[tuple]:
@@ -133,7 +149,7 @@ def _pieces(module: nn.Module, inputs: tuple, grad: torch.Tensor) -> list[tuple]
             g = g * (ids.reshape(g.shape[0], -1, 1) != module.padding_idx)
         out.append((module.weight, "factors", _Index(ids, module.num_embeddings), g))
     elif isinstance(module, nn.Conv2d):
-        a = F.unfold(_f32(inputs[0]), module.kernel_size, module.dilation, module.padding, module.stride)
+        a = _patches(module, _f32(inputs[0]))
         g = _f32(grad).flatten(2)
         out.append((module.weight, "factors", g.transpose(1, 2), a.transpose(1, 2)))
         if module.bias is not None and module.bias in trained:
