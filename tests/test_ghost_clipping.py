@@ -171,3 +171,22 @@ def test_ghost_refused_and_auto_falls_back(digits, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         trainer.train()  # Opacus computes the module's per-sample gradients with functorch
     assert trainer.clipping_engine == "hooks" and "falls back to Opacus hooks" in caplog.text
+
+
+def test_frozen_part_is_not_hooked_and_scope_norms_are_exact():
+    """trainable_blocks-style scope: only modules owning a trained tensor are hooked; norms still exact."""
+    model = tiny_vit().double().train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("vit.layers.3.", "vit.layernorm", "classifier")))
+    engine = GhostClippingEngine(model)
+    names = {m: n for n, m in model.named_modules()}
+    assert engine.modules and all(names[m].startswith(("vit.layers.3", "vit.layernorm", "classifier"))
+                                  for m in engine.modules)
+    inputs, labels = {"pixel_values": torch.randn(B, 1, 8, 8).double()}, torch.arange(B)
+    params, per_example = brute_force(model, inputs, labels)
+    with engine.recording():
+        losses_of(model, inputs, labels).sum().backward()
+    norms = engine.squared_norms()
+    for j, p in enumerate(params):
+        torch.testing.assert_close(norms[p], torch.stack([g[j].pow(2).sum() for g in per_example]), rtol=1e-5,
+                                   atol=1e-12)
