@@ -28,7 +28,8 @@ Example (norms equal those of the per-example gradients):
     >>> with engine.recording():
     ...     layer(x).pow(2).sum().backward()
     >>> norms = engine.squared_norms()[layer.weight]
-    >>> brute = torch.stack([torch.autograd.grad(layer(x[i]).pow(2).sum(), layer.weight)[0].pow(2).sum() for i in range(5)])
+    >>> grads = [torch.autograd.grad(layer(x[i]).pow(2).sum(), layer.weight)[0] for i in range(5)]
+    >>> brute = torch.stack([g.pow(2).sum() for g in grads])
     >>> torch.allclose(norms, brute, rtol=1e-5)
     True
     >>> engine.remove()
