@@ -19,6 +19,8 @@ from .errors import DPConfigError
 from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from .privacy.optimizer import CLIPPING_MODES
 
+CLIPPING_ENGINES = ("auto", "ghost", "hooks")
+
 # Hub strategies that exist to push resumable checkpoints: trainer_state.json (the loss of every logged step, computed
 # on private data), optimizer and RNG state, training_args.bin. A checkpoint without them would not resume.
 RESUMABLE_HUB_STRATEGIES = ("checkpoint", "all_checkpoints")
@@ -77,6 +79,13 @@ class DPTrainingArguments(TrainingArguments):
                   "C/sqrt(#tensors), total sensitivity C) or 'automatic' (Bu et al.: g·C/(||g||+0.01)). 'none' (with noise_multiplier=0 only): the true "
                   "non-private reference, the plain gradient through the same trainer (ε = ∞).",
                   "choices": CLIPPING_MODES},
+    )
+    clipping_engine: str = field(
+        default="auto",
+        metadata={"help": "How per-example gradients are clipped (same clipping, same guarantee): 'ghost' (ghost norms "
+                  "and book-keeping in one backward, no per-example gradient held for large tensors), 'hooks' (Opacus "
+                  "per-sample gradient hooks) or 'auto' (default): 'ghost' when it supports the model, else 'hooks' "
+                  "with the reason logged.", "choices": CLIPPING_ENGINES},
     )
     secure_mode: bool = field(
         default=False,
@@ -250,6 +259,9 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         check_accountant(args.accountant, args.neighboring)
     except ValueError as err:
         raise DPConfigError(f"DPTrainingArguments: {err}") from None
+    if args.clipping_engine not in CLIPPING_ENGINES:
+        raise DPConfigError(f"DPTrainingArguments: unknown clipping_engine {args.clipping_engine!r}; use one of "
+                            f"{CLIPPING_ENGINES}.")
     if args.clipping not in CLIPPING_MODES:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of {CLIPPING_MODES}.")
     if args.clipping == "none" and not (sigma == 0 and eps is None):

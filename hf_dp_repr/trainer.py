@@ -25,6 +25,8 @@ Example (runs in seconds on a CPU):
 
 from __future__ import annotations
 
+import contextlib
+
 import datasets
 import torch
 from opacus.grad_sample import GradSampleHooks
@@ -36,6 +38,7 @@ from transformers.utils import logging
 
 from .cached_head import NotCacheable, prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
+from .errors import DPConfigError
 from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
@@ -44,6 +47,7 @@ from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, prepare_pr
                            set_frozen_prefix_modes, states_for)
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.attributes import clear_dp_attributes
+from .privacy.ghost_clipping import GhostClippingEngine, unsupported_reason
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
@@ -111,6 +115,8 @@ class DPTrainer(DPSavingMixin, Trainer):
         self._prefix_states = None  # the training set's cached prefix states, if used
         self._dp_optimizer = None
         self._grad_sample_hooks = None
+        self._ghost_engine: GhostClippingEngine | None = None
+        self.clipping_engine: str | None = None  # the engine that ran: "ghost" or "hooks"
         self._batch_sampler = None
         self._resume_ledger: PrivacyLedger | None = None
         self._epsilon_cache: tuple[int, float] | None = None
@@ -197,6 +203,7 @@ class DPTrainer(DPSavingMixin, Trainer):
             max_grad_norm=self.args.per_sample_max_grad_norm, expected_batch_size=self.ledger.expected_batch_size,
             noise_generator=lambda device: self._randomness.noise_generator(self.ledger.steps_done, device),
             world_size=self.args.world_size, rank=self.args.process_index, secure_mode=self.args.secure_mode,
+            engine=self._ghost_engine,
         )
         self._dp_optimizer.attach_step_hook(lambda _opt: self.ledger.record_step())
         self.optimizer = self._dp_optimizer
@@ -257,16 +264,46 @@ class DPTrainer(DPSavingMixin, Trainer):
         steps = [p.steps for p in self.privacy_plan().phases]
         return " then ".join(f"{s.description} for {t} steps" for s, t in zip(self._scopes, steps))
 
+    def _choose_engine(self) -> str:
+        """'ghost' when it supports the model (and was not refused), else 'hooks'; a fallback is logged."""
+        requested = self.args.clipping_engine
+        if requested == "hooks":
+            return "hooks"
+        unit = getattr(self.args, "privacy_unit", "row")
+        reason = (f"privacy_unit={unit!r} clips the summed gradient of several rows" if unit != "row"
+                  else unsupported_reason(self.model))
+        if reason is None:
+            return "ghost"
+        if requested == "ghost":
+            raise DPConfigError(f"DPTrainer: clipping_engine='ghost' cannot clip this model exactly: {reason}. "
+                             "Use clipping_engine='hooks' (or 'auto').")
+        logger.warning(f"DPTrainer: per-example clipping falls back to Opacus hooks (slower, more memory): {reason}.")
+        return "hooks"
+
     def _attach_hooks(self) -> None:
-        if self._grad_sample_hooks is None:
-            for name, p in self.model.named_parameters():
-                p._dp_name = name  # for error messages that name the parameter
+        if self._grad_sample_hooks is not None or self._ghost_engine is not None:
+            return
+        for name, p in self.model.named_parameters():
+            p._dp_name = name  # for error messages that name the parameter
+        engine = self._choose_engine()
+        if engine != self.clipping_engine:
+            logger.warning(f"DPTrainer: clipping_engine={engine!r} (per-example clipping "
+                           f"{'by ghost norms and book-keeping' if engine == 'ghost' else 'by Opacus hooks'}).")
+        self.clipping_engine = engine
+        if engine == "ghost":  # only modules that own a trained tensor are hooked (nothing below the scope)
+            self._ghost_engine = GhostClippingEngine(self.model)
+        else:
             self._grad_sample_hooks = GradSampleHooks(self.model, batch_first=True, loss_reduction="sum", strict=True)
+        if self._dp_optimizer is not None:
+            self._dp_optimizer.engine = self._ghost_engine
 
     def _remove_hooks(self) -> None:
         if self._grad_sample_hooks is not None:
             self._grad_sample_hooks.remove_hooks()
             self._grad_sample_hooks = None
+        if self._ghost_engine is not None:
+            self._ghost_engine.remove()
+            self._ghost_engine = None
 
     def _detach_hooks(self) -> None:
         self._remove_hooks()
@@ -330,7 +367,8 @@ class DPTrainer(DPSavingMixin, Trainer):
         batch_position_ids(self.model, inputs)
         # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
         # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
-        with self.accelerator.no_sync(model):
+        recording = self._ghost_engine.recording() if self._ghost_engine is not None else contextlib.nullcontext()
+        with self.accelerator.no_sync(model), recording:
             with self.compute_loss_context_manager():
                 if self._cached_head is not None:
                     outputs = ModelOutput(logits=self.model.get_submodule(self._cached_head)(inputs["features"]))

@@ -40,7 +40,7 @@ class MicroBatchDPOptimizer(DPOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, clipping: str, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: int,
                  noise_generator: Callable[[torch.device], torch.Generator], secure_mode: bool = False,
-                 world_size: int = 1, rank: int = 0):
+                 world_size: int = 1, rank: int = 0, engine=None):
         if clipping not in CLIPPING_MODES:
             raise ValueError(f"unknown clipping {clipping!r}; use one of {CLIPPING_MODES}.")
         super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
@@ -51,24 +51,51 @@ class MicroBatchDPOptimizer(DPOptimizer):
         self.rank = rank
         self._open_unit: tuple[int, list[torch.Tensor]] | None = None  # (id, partial per-row sums), not yet clipped
         self._closed_units: set[int] = set()  # units clipped in this logical step: none may come back
+        self.engine = engine  # a GhostClippingEngine, or None: per-sample gradients from Opacus hooks
 
     def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None) -> None:
         """Clip the per-sample gradients of the micro-batch just back-propagated, add them to the clipped sum
         and free them. A no-op after an empty micro-batch. With `unit_ids` (each row's unit), rows are summed
-        per unit first and each unit is clipped once (`_accumulate_units`)."""
+        per unit first and each unit is clipped once (`_accumulate_units`; Opacus hooks only)."""
+        if self.engine is not None:
+            if unit_ids is not None:  # the trainer falls back to hooks for units; never clip rows as units here
+                raise RuntimeError("MicroBatchDPOptimizer: the ghost clipping engine clips rows; privacy units need "
+                                   "the hooks engine (clipping_engine='hooks').")
+            return self._accumulate_from_engine()
         missing = [p for p in self.params if getattr(p, "grad_sample", None) is None]
         if len(missing) == len(self.params):
             return
         if missing:
-            names = ", ".join(getattr(p, "_dp_name", str(tuple(p.shape))) for p in missing)
-            raise RuntimeError(
-                f"These trainable parameters got no per-sample gradient in the forward pass: {names}. They are "
-                "unused by the model's forward; freeze them (requires_grad=False) so DP-SGD does not train them."
-            )
+            raise self._missing_error(missing)
         if unit_ids is None:
             self.clip_and_accumulate()
         else:
             self._accumulate_units(unit_ids)
+        self._drop_unclipped()
+
+    @staticmethod
+    def _missing_error(missing) -> RuntimeError:
+        names = ", ".join(getattr(p, "_dp_name", str(tuple(p.shape))) for p in missing)
+        return RuntimeError(
+            f"These trainable parameters got no per-sample gradient in the forward pass: {names}. They are "
+            "unused by the model's forward; freeze them (requires_grad=False) so DP-SGD does not train them."
+        )
+
+    def _accumulate_from_engine(self) -> None:
+        """The same clipping from the engine's per-example norms (no per-example gradient held)."""
+        if not self.engine.has_gradients():
+            return
+        norms = self.engine.squared_norms()
+        missing = [p for p in self.params if p not in norms]
+        if missing:
+            raise self._missing_error(missing)
+        factors = self.clip_factors(torch.stack([norms[p] for p in self.params], dim=1).float().clamp(min=0).sqrt())
+        sums = self.engine.clipped_sums({p: factors[:, j] for j, p in enumerate(self.params)})
+        for p in self.params:
+            p.summed_grad = sums[p] if p.summed_grad is None else p.summed_grad + sums[p]
+        self._drop_unclipped()
+
+    def _drop_unclipped(self) -> None:
         for p in self.params:
             # The summed, unclipped gradient is not private: drop it so nothing can read or log it.
             p.grad_sample = None
