@@ -276,7 +276,7 @@ class DPTrainer(DPSavingMixin, Trainer):
             return "ghost"
         if requested == "ghost":
             raise DPConfigError(f"DPTrainer: clipping_engine='ghost' cannot clip this model exactly: {reason}. "
-                             "Use clipping_engine='hooks' (or 'auto').")
+                                "Use clipping_engine='hooks' (or 'auto').")
         logger.warning(f"DPTrainer: per-example clipping falls back to Opacus hooks (slower, more memory): {reason}.")
         return "hooks"
 
