@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .config_checks import check_privacy_unit, validate_cache_fields, validate_lp_fields
 from .errors import DPConfigError
 from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from .privacy.optimizer import CLIPPING_MODES
@@ -283,7 +284,7 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
             raise ValueError("DPTrainingArguments: trainable_blocks and trainable_groups are both set; give one (e.g. "
                              "trainable_groups='last:2,norms,head' for the last 2 blocks, every norm and the head).")
         parse_groups(args.trainable_groups)  # unknown names fail here, before any work
-    _validate_lp_fields(args)
+    validate_lp_fields(args)
     check_privacy_unit(args)
     if args.public_switch not in ("fixed", "decelerator", "plateau"):
         raise ValueError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' or "
@@ -292,7 +293,7 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
                  "public_plateau_patience"):
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
             raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
-    _validate_cache_fields(args)
+    validate_cache_fields(args)
     if args.hub_token:
         raise DPConfigError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
                          "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
@@ -342,66 +343,3 @@ def check_hub_strategy(args: TrainingArguments) -> None:
             "save) or 'end', keep checkpoints local for resuming, and push the finished run with trainer.push_to_hub() "
             "or `hf-dp-repr push OUTPUT_DIR --hub_model_id me/name`."
         )
-
-
-def check_privacy_unit(args: DPTrainingArguments) -> None:
-    """Refuse privacy_unit / max_rows_per_unit values and combinations that units do not support (also for callers
-    that set `args.privacy_unit` after parsing, as the causal-LM recipe does)."""
-    unit = args.privacy_unit
-    if not isinstance(unit, str) or not unit:
-        raise ValueError(f"DPTrainingArguments: privacy_unit={unit!r} must be 'row' or the name of a training-set "
-                         "column (e.g. 'document_id').")
-    if unit == "row":
-        if args.max_rows_per_unit is not None:
-            raise ValueError("DPTrainingArguments: max_rows_per_unit is set but privacy_unit='row' (one row per "
-                             "unit). Set privacy_unit to the unit column or drop max_rows_per_unit.")
-        return
-    if args.max_rows_per_unit is not None and args.max_rows_per_unit < 1:
-        raise ValueError(f"DPTrainingArguments: max_rows_per_unit={args.max_rows_per_unit} must be >= 1 (or None).")
-    if not args.poisson_sampling:
-        raise ValueError(f"DPTrainingArguments: privacy_unit={unit!r} needs poisson_sampling=True: units are drawn "
-                         "by Poisson sampling (fixed-size shuffled batches of units are not implemented).")
-    if args.cache_features:
-        raise ValueError(f"DPTrainingArguments: cache_features=True with privacy_unit={unit!r}: cached linear-probe "
-                         "features are per row and lose the unit column. Drop cache_features (the backbone then runs "
-                         "each step).")
-
-
-def _validate_lp_fields(args: DPTrainingArguments) -> None:
-    if args.lp_steps < 0:
-        raise DPConfigError(f"DPTrainingArguments: lp_steps={args.lp_steps} must be >= 0 (0 = no linear-probing phase).")
-    if not args.lp_steps:
-        extra = [n for n in ("lp_epsilon_fraction", "lp_per_device_train_batch_size", "lp_learning_rate")
-                 if getattr(args, n) is not None]
-        if extra:
-            raise DPConfigError(f"DPTrainingArguments: {', '.join(extra)} set but lp_steps=0: there is no linear-probing "
-                             "phase. Set lp_steps (e.g. 0.2 for the first 20 % of the steps) or drop them.")
-        return
-    if args.trainable_blocks == 0:
-        raise DPConfigError("DPTrainingArguments: lp_steps with trainable_blocks=0 would linear-probe twice. Set "
-                         "trainable_blocks to the fine-tuning scope (None = all) or drop lp_steps.")
-    if args.lp_steps >= 1 and args.lp_steps != int(args.lp_steps):
-        raise DPConfigError(f"DPTrainingArguments: lp_steps={args.lp_steps}: a number of steps must be whole "
-                         "(or < 1 for a fraction of the planned steps).")
-    frac = args.lp_epsilon_fraction
-    if frac is not None and not 0 < frac < 1:
-        raise DPConfigError(f"DPTrainingArguments: lp_epsilon_fraction={frac} must be in (0, 1).")
-    if frac is not None and args.target_epsilon is None:
-        raise DPConfigError("DPTrainingArguments: lp_epsilon_fraction splits target_epsilon; set target_epsilon "
-                         "(or drop lp_epsilon_fraction to use noise_multiplier in both phases).")
-    if args.clipping == "per_layer":
-        raise DPConfigError("DPTrainingArguments: clipping='per_layer' splits C over a fixed set of tensors, which "
-                         "changes between the linear-probe and fine-tune phases. Use clipping='flat' or 'automatic'.")
-    if args.lp_per_device_train_batch_size is not None and not args.poisson_sampling:
-        raise DPConfigError("DPTrainingArguments: lp_per_device_train_batch_size needs poisson_sampling=True "
-                         "(fixed-size shuffled batches cannot change size mid-run).")
-
-
-def _validate_cache_fields(args: DPTrainingArguments) -> None:
-    for name in ("cache_features_max_memory_gb", "cache_features_max_disk_gb"):
-        if not getattr(args, name) >= 0:
-            raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} must be >= 0 (GiB).")
-    if args.cache_features and args.trainable_blocks is None:
-        raise ValueError("DPTrainingArguments: cache_features=True with trainable_blocks=None: full fine-tuning has "
-                         "no frozen part to cache. Set trainable_blocks=k (0 = linear probe) or leave "
-                         "cache_features=None.")

@@ -29,40 +29,40 @@ import contextlib
 
 import datasets
 import torch
-from opacus.grad_sample import GradSampleHooks
 from torch.utils.data import DataLoader
 from transformers import Trainer, default_data_collator
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import ModelOutput
 from transformers.utils import logging
 
-from .cached_head import NotCacheable, prepare_cached_head, set_probe_modes
+from .cached_head import prepare_cached_head, set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
-from .errors import DPConfigError
 from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
 from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, prepare_prefix_cache, run_from_states,
-                           set_frozen_prefix_modes, states_for)
+                           set_frozen_prefix_modes)
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
-from .privacy.attributes import clear_dp_attributes
-from .privacy.ghost_clipping import GhostClippingEngine, unsupported_reason
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
 from .privacy.randomness import DPRandomness
 from .privacy.sampler import (UNIT_KEY, ExampleBatchCollator, PoissonBatchSampler, SamplerEpochCallback,
                               ShuffledBatchSampler)
-from .privacy.units import ROW, UnitPoissonBatchSampler, UnitRowsDataset, column_values, describe_unit, unit_rows
+from .privacy.units import ROW, UnitPoissonBatchSampler, UnitRowsDataset, column_values, unit_rows
 from .privacy.validation import check_model_is_privatizable, check_train_dataset
 from .resume import finish_without_training, is_finished
-from .scope import block_stack_name, describe_trainable, phase_scopes
+from .scope import phase_scopes
+from .trainer_clipping import DPClippingMixin
+from .trainer_prefix_eval import DPPrefixEvalMixin
+from .trainer_report import DPPlanReportMixin
 from .trainer_saving import DPSavingMixin
+from .trainer_search import DPSearchMixin
 
 logger = logging.get_logger(__name__)
 
-class DPTrainer(DPSavingMixin, Trainer):
+class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPPrefixEvalMixin, DPSavingMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -115,7 +115,7 @@ class DPTrainer(DPSavingMixin, Trainer):
         self._prefix_states = None  # the training set's cached prefix states, if used
         self._dp_optimizer = None
         self._grad_sample_hooks = None
-        self._ghost_engine: GhostClippingEngine | None = None
+        self._ghost_engine = None  # a GhostClippingEngine while training with clipping_engine='ghost'
         self.clipping_engine: str | None = None  # the engine that ran: "ghost" or "hooks"
         self._batch_sampler = None
         self._resume_ledger: PrivacyLedger | None = None
@@ -264,84 +264,6 @@ class DPTrainer(DPSavingMixin, Trainer):
         steps = [p.steps for p in self.privacy_plan().phases]
         return " then ".join(f"{s.description} for {t} steps" for s, t in zip(self._scopes, steps))
 
-    def _choose_engine(self) -> str:
-        """'ghost' when it supports the model (and was not refused), else 'hooks'; a fallback is logged."""
-        requested = self.args.clipping_engine
-        if requested == "hooks":
-            return "hooks"
-        unit = getattr(self.args, "privacy_unit", "row")
-        reason = (f"privacy_unit={unit!r} clips the summed gradient of several rows" if unit != "row"
-                  else unsupported_reason(self.model))
-        if reason is None:
-            return "ghost"
-        if requested == "ghost":
-            raise DPConfigError(f"DPTrainer: clipping_engine='ghost' cannot clip this model exactly: {reason}. "
-                                "Use clipping_engine='hooks' (or 'auto').")
-        logger.warning(f"DPTrainer: per-example clipping falls back to Opacus hooks (slower, more memory): {reason}.")
-        return "hooks"
-
-    def _attach_hooks(self) -> None:
-        if self._grad_sample_hooks is not None or self._ghost_engine is not None:
-            return
-        for name, p in self.model.named_parameters():
-            p._dp_name = name  # for error messages that name the parameter
-        engine = self._choose_engine()
-        if engine != self.clipping_engine:
-            logger.warning(f"DPTrainer: clipping_engine={engine!r} (per-example clipping "
-                           f"{'by ghost norms and book-keeping' if engine == 'ghost' else 'by Opacus hooks'}).")
-        self.clipping_engine = engine
-        if engine == "ghost":  # only modules that own a trained tensor are hooked (nothing below the scope)
-            self._ghost_engine = GhostClippingEngine(self.model)
-        else:
-            self._grad_sample_hooks = GradSampleHooks(self.model, batch_first=True, loss_reduction="sum", strict=True)
-        if self._dp_optimizer is not None:
-            self._dp_optimizer.engine = self._ghost_engine
-
-    def _remove_hooks(self) -> None:
-        if self._grad_sample_hooks is not None:
-            self._grad_sample_hooks.remove_hooks()
-            self._grad_sample_hooks = None
-        if self._ghost_engine is not None:
-            self._ghost_engine.remove()
-            self._ghost_engine = None
-
-    def _detach_hooks(self) -> None:
-        self._remove_hooks()
-        clear_dp_attributes(self.model.parameters())
-
-    def _announce_plan(self) -> None:
-        if not self.is_world_process_zero():  # once, not once per process
-            return
-        led = self.ledger
-        if led.randomness == "seeded":
-            logger.warning(f"DPTrainer: noise_seed={self.args.noise_seed}. The noise and the batches are reproducible "
-                           "from this seed: the run is NOT private against anyone who knows it. Use it for tests and "
-                           "experiments only.")
-        if led.noise_multiplier == 0:
-            logger.warning("DPTrainer: noise_multiplier=0. This run is NOT differentially private (ε = ∞); "
-                           + ("no clipping (the plain gradient)" if led.clipping == "none" else
-                              "per-example clipping only") + ", as a non-private reference.")
-        if not led.poisson_sampling:
-            logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
-                           "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")
-        target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
-        lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, {led.neighboring} neighbours, accountant="
-                 f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
-                 f"C={led.per_sample_max_grad_norm}, unit of privacy: {describe_unit(led.privacy_unit)}, "
-                 f"{led.dataset_size} {'examples' if led.privacy_unit == ROW else 'units'}"
-                 f"{'' if self.args.max_rows_per_unit is None else f' (at most {self.args.max_rows_per_unit} rows each per step)'}"
-                 f"): ε at the end of the plan {led.planned_epsilon():.4f}"]
-        stack = block_stack_name(self.model, self.args.block_stack)
-        for i, phase in enumerate(led.phases):
-            lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "
-                         f"(expected batch {phase.expected_batch_size}), {phase.steps} steps; trains "
-                         f"{self.describe_scope(i)}")
-            params = (self._scopes[min(i, len(self._scopes) - 1)].parameters if self._scopes
-                      else [p for p in self.model.parameters() if p.requires_grad])
-            lines.append(describe_trainable(self.model, params, phase.noise_multiplier, led.per_sample_max_grad_norm,
-                                            phase.expected_batch_size, stack))
-        logger.warning("\n".join(lines))
-
     # ---- one micro-batch ----------------------------------------------------------------------------
     def per_example_loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         """Loss of each example of the micro-batch, shape (batch,). Override for custom objectives."""
@@ -381,31 +303,6 @@ class DPTrainer(DPSavingMixin, Trainer):
             self.accelerator.backward(losses.sum())
         self._dp_optimizer.accumulate_micro_batch(unit_ids)
         return losses.detach().mean() / self.current_gradient_accumulation_steps
-
-    # ---- evaluation on the cached prefix states -----------------------------------------------------------
-    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """When training ran on cached prefix states, evaluation does too (the eval set's states are computed once
-        per process and frozen weights)."""
-        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
-        dataset = self.eval_dataset if dataset is None else dataset
-        if self._prefix_states is None or not isinstance(dataset, datasets.Dataset):
-            return super().get_eval_dataloader(eval_dataset)
-        dataset = self._remove_unused_columns(dataset, description="evaluation")
-        try:
-            entry = states_for(self.model, self._prefix_cut, dataset, self.data_collator, self.args)
-        except NotCacheable as e:
-            logger.warning(f"DPTrainer: evaluation without cached prefix states ({e}).")
-            return super().get_eval_dataloader(eval_dataset)
-        return self.accelerator.prepare(DataLoader(
-            StatesDataset(dataset, entry.states), batch_size=self.args.eval_batch_size,
-            collate_fn=StatesCollator(self.data_collator), num_workers=self.args.dataloader_num_workers))
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        states = inputs.pop(STATES_KEY, None)
-        if states is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        with run_from_states(self.model, self._prefix_cut.stack_name, self._prefix_cut.first, states):
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # DP-SGD sums per-example losses itself; the Trainer's count would also crash on an empty micro-batch.
@@ -464,42 +361,6 @@ class DPTrainer(DPSavingMixin, Trainer):
         if self.continual_record is not None:
             finish_record(self)
         return output
-
-    # ---- hyperparameter search ---------------------------------------------------------------------------
-    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int | None = None,
-                              direction: str = "minimize", backend="optuna", hp_name=None, tuning_data: str = "public",
-                              trial_count=None, eval_data_public: bool = False, keep_best_model: bool = True,
-                              **kwargs):
-        """The Trainer's Optuna search under DP: every trial spends exactly the target (ε, δ) and the search states
-        its own cost. `tuning_data`: "public"/"held_out" (default "public": the trials do not train on the private
-        set) or "private" (accounted with Papernot & Steinke; needs `trial_count`, a `TrialCount`, and a public
-        `eval_dataset`, stated with `eval_data_public=True`). `hp_space` returns DPTrainingArguments fields and
-        optionally `trainable_scope` ("all", "blocks:k" or a trainable_groups spec). See `hf_dp_repr.tuning.search`.
-        """
-        if str(getattr(backend, "value", backend)) != "optuna":
-            raise ValueError(f"DPTrainer.hyperparameter_search: backend={backend!r}; only 'optuna' is supported under "
-                             "DP (each trial's privacy plan is set up through it).")
-        from .tuning.search import run_search
-
-        return run_search(self, hp_space, compute_objective, n_trials, direction, hp_name, tuning_data, trial_count,
-                          eval_data_public, keep_best_model, **kwargs)
-
-    def _hp_search_setup(self, trial) -> None:
-        super()._hp_search_setup(trial)
-        if self.model_init is not None:  # a fresh model (and maybe a new scope): what trains is decided again
-            check_model_is_privatizable(self.model)
-            self._scopes = phase_scopes(self.model, self.args.trainable_blocks, self.args.lp_steps,
-                                        self.args.block_stack, self.args.trainable_groups)
-            if self._scopes:
-                self._scopes[-1].apply(self.model)
-            self._dp_optimizer = None
-
-    def _save_privacy_record(self, output_dir: str) -> None:
-        super()._save_privacy_record(output_dir)
-        if self.continual_record is not None and self.args.should_save:
-            from .continual import save_record
-
-            save_record(self.continual_record, output_dir)
 
     def epsilon(self) -> float | None:
         """ε spent so far (computed by the ledger's Opacus accountant), None before training."""

@@ -121,3 +121,7 @@ class DPSavingMixin:
         from .model_card import write_model_card
 
         write_model_card(self, output_dir)
+        if getattr(self, "continual_record", None) is not None:  # public → private: the switch and tr(H) record
+            from .continual import save_record
+
+            save_record(self.continual_record, output_dir)

@@ -1,0 +1,47 @@
+"""The DP-SGD plan `DPTrainer` logs once at the start of training (a mixin placed before `Trainer`)."""
+
+from __future__ import annotations
+
+from transformers.utils import logging
+
+from .privacy.units import ROW, describe_unit
+from .scope import block_stack_name, describe_trainable
+
+logger = logging.get_logger("hf_dp_repr.trainer")  # DPTrainer's own logger, as before the split
+
+
+class DPPlanReportMixin:
+    """`_announce_plan`: σ, q, steps, ε at the end of the plan, and what trains in each phase."""
+
+    def _announce_plan(self) -> None:
+        if not self.is_world_process_zero():  # once, not once per process
+            return
+        led = self.ledger
+        if led.randomness == "seeded":
+            logger.warning(f"DPTrainer: noise_seed={self.args.noise_seed}. The noise and the batches are reproducible "
+                           "from this seed: the run is NOT private against anyone who knows it. Use it for tests and "
+                           "experiments only.")
+        if led.noise_multiplier == 0:
+            logger.warning("DPTrainer: noise_multiplier=0. This run is NOT differentially private (ε = ∞); "
+                           + ("no clipping (the plain gradient)" if led.clipping == "none" else
+                              "per-example clipping only") + ", as a non-private reference.")
+        if not led.poisson_sampling:
+            logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
+                           "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")
+        target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
+        lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, {led.neighboring} neighbours, accountant="
+                 f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
+                 f"C={led.per_sample_max_grad_norm}, unit of privacy: {describe_unit(led.privacy_unit)}, "
+                 f"{led.dataset_size} {'examples' if led.privacy_unit == ROW else 'units'}"
+                 f"{'' if self.args.max_rows_per_unit is None else f' (at most {self.args.max_rows_per_unit} rows each per step)'}"
+                 f"): ε at the end of the plan {led.planned_epsilon():.4f}"]
+        stack = block_stack_name(self.model, self.args.block_stack)
+        for i, phase in enumerate(led.phases):
+            lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "
+                         f"(expected batch {phase.expected_batch_size}), {phase.steps} steps; trains "
+                         f"{self.describe_scope(i)}")
+            params = (self._scopes[min(i, len(self._scopes) - 1)].parameters if self._scopes
+                      else [p for p in self.model.parameters() if p.requires_grad])
+            lines.append(describe_trainable(self.model, params, phase.noise_multiplier, led.per_sample_max_grad_norm,
+                                            phase.expected_batch_size, stack))
+        logger.warning("\n".join(lines))
