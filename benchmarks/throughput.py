@@ -8,9 +8,11 @@ Each run takes `--warmup` steps (not measured), then `--steps` measured steps, a
 and each run's ratio to the non-private Trainer.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above the memory held before the run. On CPU (torch has no
-allocator statistics there), the peak resident set size (RSS, sampled every millisecond from /proc) above the RSS
-before the model is built; the script re-executes itself with `MALLOC_MMAP_THRESHOLD_=65536` so that freed
-tensors go back to the OS and each run's RSS counts only what it holds.
+allocator statistics there), each run is repeated alone in a fresh process (one warm-up and one step) with
+`MALLOC_MMAP_THRESHOLD_=65536`, so that freed tensors go back to the OS and the resident set size (RSS, sampled
+every millisecond from /proc) counts only what the run holds: the peak RSS above the RSS before the model is built.
+The speed runs keep the default allocator, as users run: forcing every tensor through mmap makes each allocation
+fault its pages in again, which slowed the non-private run by up to a third here and would distort the ratios.
 
 DPTrainer runs use fixed-size shuffled batches (`poisson_sampling=False`, as the non-private run) so that every
 run processes the same batch sizes; σ = 1 is given (no accounting cost in the step).
@@ -21,6 +23,11 @@ run processes the same batch sizes; σ = 1 is given (no accounting cost in the s
     python benchmarks/throughput.py --model path/or/hub-name --batch-size 8 --seq-len 256
     python benchmarks/throughput.py --device cuda --models gpt2-124m vit-b
     python benchmarks/throughput.py --quick               # tiny models, a smoke test
+    python benchmarks/throughput.py --parts               # also: where a step's time goes (see `parts`)
+
+`--parts` times one micro-batch by parts, in one process, interleaved, median over `--steps` (optimizer step and data
+excluded): the non-private forward+backward, against the ghost engine's forward+backward (no parameter gradient),
+its per-example norms and its clipped sums. It shows what the DP step adds and where.
 """
 
 from __future__ import annotations
@@ -211,6 +218,20 @@ RUNS = {  # label: (runner, engine)
 }
 
 
+def cpu_peak(name: str, label: str) -> int:
+    """Peak RSS of one run alone, in a fresh process whose allocator returns freed tensors (see the docstring)."""
+    import subprocess
+
+    argv = [sys.executable, os.path.abspath(__file__), "--memory-of", label, "--steps", "1", "--warmup", "1",
+            "--clipping", ARGS.clipping]
+    argv += ["--model", ARGS.model] if ARGS.model else ["--models", name]
+    for flag, value in (("--batch-size", ARGS.batch_size), ("--seq-len", ARGS.seq_len)):
+        argv += [flag, str(value)] if value else []
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+    return int(out.split("PEAK_BYTES ")[1].split()[0])
+
+
 def benchmark(name: str) -> list[tuple]:
     make_model, data, batch = build(name)
     params = sum(p.numel() for p in make_model().parameters())
@@ -218,11 +239,16 @@ def benchmark(name: str) -> list[tuple]:
           f"after {ARGS.warmup} warm-up each, device {ARGS.device}, {torch.get_num_threads()} threads", flush=True)
     times = {label: [] for label in RUNS}
     peaks = {label: 0 for label in RUNS}
+    cuda = ARGS.device == "cuda"  # on CPU the memory runs are separate (no sampling thread in the timed runs)
     for _ in range(ARGS.rounds):  # interleaved rounds: a load change on a shared machine hits every run alike
         for label, (runner, engine) in RUNS.items():
-            with PeakMemory(ARGS.device) as memory, contextlib.redirect_stdout(io.StringIO()):  # Trainer metrics
+            memory = PeakMemory(ARGS.device) if cuda else contextlib.nullcontext()
+            with memory, contextlib.redirect_stdout(io.StringIO()):  # Trainer metrics
                 times[label] += runner(make_model, data, batch, engine)
-            peaks[label] = max(peaks[label], memory.peak)
+            if cuda:
+                peaks[label] = max(peaks[label], memory.peak)
+    if not cuda:
+        peaks = {label: cpu_peak(name, label) for label in RUNS}
     rows = [(label, batch / statistics.median(times[label]), peaks[label] / 2**20) for label in RUNS]
     base_speed, base_memory = rows[0][1], rows[0][2]
     hooks_speed = rows[-1][1]
@@ -232,6 +258,57 @@ def benchmark(name: str) -> list[tuple]:
         print(f"| {label:<22} | {speed:9.1f} | {speed / base_speed:13.2f} | {speed / hooks_speed:14.2f} | "
               f"{memory:8.0f} | {memory / max(base_memory, 1e-9):13.2f} |", flush=True)
     return rows
+
+
+def parts(name: str) -> None:
+    """Where the ghost engine's micro-batch time goes, against the non-private forward+backward (see the docstring)."""
+    from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine
+    from hf_dp_repr.privacy.grad_samplers import batch_position_ids
+    from hf_dp_repr.privacy.loss import is_causal_lm, per_example_loss
+
+    make_model, data, batch = build(name)
+    model = make_model().to(ARGS.device).train()
+    inputs = {k: v.to(ARGS.device) for k, v in data[:batch].items()}
+    labels = inputs.pop("labels")
+    batch_position_ids(model, inputs)
+    causal = is_causal_lm(model)
+
+    def loss():
+        return per_example_loss(model(**inputs).logits, labels, shift_labels=causal).sum()
+
+    engine = GhostClippingEngine(model)
+    times = {key: [] for key in ("non-private forward+backward", "ghost forward+backward", "ghost norms",
+                                 "ghost clipped sums")}
+    for step in range(ARGS.warmup + ARGS.steps):
+        marks = [time.perf_counter()]
+        model.zero_grad(set_to_none=True)
+        loss().backward()
+        synchronize()
+        marks.append(time.perf_counter())
+        with engine.recording():
+            loss().backward()
+        synchronize()
+        marks.append(time.perf_counter())
+        norms = engine.squared_norms()
+        total = torch.stack([norms[p] for p in engine.params], 1).sum(1).sqrt()
+        factor = (1.0 / (total + 1e-6)).clamp(max=1.0)
+        synchronize()
+        marks.append(time.perf_counter())
+        engine.clipped_sums({p: factor for p in engine.params})
+        synchronize()
+        marks.append(time.perf_counter())
+        if step >= ARGS.warmup:
+            for key, start, end in zip(times, [marks[0], *marks[1:-1]], marks[1:]):
+                times[key].append(end - start)
+    engine.remove()
+    median = {key: statistics.median(v) for key, v in times.items()}
+    base = median["non-private forward+backward"]
+    ghost = sum(v for key, v in median.items() if key.startswith("ghost"))
+    print(f"\n{name}, one micro-batch of {batch} by parts (median of {ARGS.steps}, ms; × the non-private "
+          "forward+backward):")
+    for key, value in median.items():
+        print(f"  {key:<30} {value * 1e3:9.1f}  {value / base:5.2f}")
+    print(f"  {'ghost total':<30} {ghost * 1e3:9.1f}  {ghost / base:5.2f}   (speed ratio {base / ghost:.2f})")
 
 
 def main() -> None:
@@ -247,19 +324,30 @@ def main() -> None:
     parser.add_argument("--clipping", default="flat", choices=["flat", "per_layer", "automatic"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny models, 1 warm-up + 2 steps (a smoke test)")
+    parser.add_argument("--parts", action="store_true", help="also time one micro-batch by parts (see the docstring)")
+    parser.add_argument("--memory-of", help=argparse.SUPPRESS)  # internal: one run's peak RSS, in a child process
     ARGS = parser.parse_args()
-    if ARGS.device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # see the docstring: RSS then follows live tensors
-        os.execv(sys.executable, [sys.executable, *sys.argv])
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # the DP plan and warnings of every run would bury the table
+    import logging as std_logging
+
+    std_logging.getLogger("hf_dp_repr").setLevel(std_logging.ERROR)
     if ARGS.quick:
         ARGS.models, ARGS.steps, ARGS.warmup = ["tiny-vit", "tiny-gpt2"], 2, 1
     if ARGS.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if ARGS.memory_of:
+        make_model, data, batch = build(ARGS.model or ARGS.models[0])
+        runner, engine = RUNS[ARGS.memory_of]
+        with PeakMemory("cpu") as memory, contextlib.redirect_stdout(io.StringIO()):
+            runner(make_model, data, batch, engine)
+        print("PEAK_BYTES", memory.peak)
+        return
     for name in ([ARGS.model] if ARGS.model else ARGS.models):
         benchmark(name)
+        if ARGS.parts:
+            parts(name)
 
 
 ARGS: argparse.Namespace

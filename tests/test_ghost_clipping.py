@@ -190,3 +190,32 @@ def test_frozen_part_is_not_hooked_and_scope_norms_are_exact():
     for j, p in enumerate(params):
         torch.testing.assert_close(norms[p], torch.stack([g[j].pow(2).sum() for g in per_example]), rtol=1e-5,
                                    atol=1e-12)
+
+
+def test_small_tensors_are_formed_in_the_backward_and_their_inputs_freed():
+    """Memory: a LayerNorm's per-example gradients (B, d) are formed as its output gradient arrives; its input and
+    output gradient (B, T, d) are not held until the clip factors are known (they were, before)."""
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3))
+    seen = []
+    model[1].register_forward_hook(lambda m, inputs, out: seen.append(weakref.ref(inputs[0])))
+    engine = GhostClippingEngine(model)
+    with engine.recording():
+        model(torch.randn(B, 7, 32)).pow(2).sum().backward()
+    ln = model[1]
+    assert [tuple(t.shape) for _, t in engine._collect()[ln.weight]] == [(B, 32)]
+    assert seen[0]() is None  # the LayerNorm's input is gone
+    big = [p for p in (model[0].weight, model[2].weight) if engine._collect()[p][0][0] == "factors"]
+    assert big == [model[0].weight]  # 32·3 ≤ 7·(32+3) < 32·32: the last layer's per-example gradient was formed at once
+    assert set(engine.squared_norms()) == set(model.parameters())
+
+
+def test_input_modified_in_place_after_forward_is_refused():
+    layer = torch.nn.Linear(4, 4)
+    engine = GhostClippingEngine(layer)
+    x = torch.randn(B, 3, 4)
+    with engine.recording(), pytest.raises(RuntimeError, match="modified in place"):
+        out = layer(x)
+        x.add_(1.0)
+        out.pow(2).sum().backward()

@@ -8,10 +8,12 @@ respect to its output, and nothing per example of parameter size:
   transformers' Conv1D: L = a, R = g; Embedding: L = one-hot(token), R = g; Conv2d: on unfolded patches), so its
   squared norm is the "ghost norm" Σ_{t,s} (L_it·L_is)(R_it·R_is), a T×T computation. A tensor used several times
   (GPT-2's wte tied to lm_head) is one tensor: its uses are summed per example *before* the norm, by adding the
-  cross terms Σ_{t,s} (L_ut·L_vs)(R_ut·R_vs) of every pair of uses. Per layer the engine takes the explicit
-  per-example gradient instead when it is cheaper (T²·(p+q) > T·p·q);
+  cross terms Σ_{t,s} (L_ut·L_vs)(R_ut·R_vs) of every pair of uses. Per layer the engine forms the explicit
+  per-example gradient instead when it is no larger than the factors (p·q ≤ T·(p+q)): then it costs less too;
 - small tensors (biases, norms' scales, ViT's cls/position embeddings) get explicit per-example gradients, from
   Opacus' registered grad samplers where one exists;
+- explicit gradients are formed in the backward, as soon as a module's output gradient arrives, and the module's
+  input and output gradient are dropped then (a LayerNorm keeps (B, d), not (B, T, d) twice);
 - book-keeping (Bu et al., "Differentially private optimization on large model at small cost"): during the forward
   and backward the trained tensors are marked `requires_grad=False`, so autograd never forms the unclipped summed
   gradient; after the backward, all norms give the clip factors c_i, and each tensor's clipped sum
@@ -38,6 +40,7 @@ Example (norms equal those of the per-example gradients):
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -140,10 +143,27 @@ def _patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
 
 
-def _pieces(module: nn.Module, inputs: tuple, grad: torch.Tensor) -> list[tuple]:
-    """One use of a module as (param, "factors", L, R) or (param, "explicit", per-example gradient) items."""
+def _materialise_now(left, right) -> bool:
+    """Whether a linear map's per-example gradient (B, p·q) is no larger than its factors (B, T, p + q): then it
+    is formed in the backward (one matmul per example, plus c·G for the clipped sum) and the factors are freed,
+    which costs less than the T×T Grams plus the book-kept matmul and holds no more memory."""
+    if isinstance(left, _Index):
+        return False
+    t, p, q = left.shape[1], left.shape[2], right.shape[2]
+    return p * q <= t * (p + q)
+
+
+def _materialise(left, right) -> torch.Tensor:
+    """Per-example gradients Σ_t L_it ⊗ R_it, flattened to (B, p·q)."""
+    if isinstance(left, _Index):
+        left = F.one_hot(left.ids, left.rows).to(right.dtype)
+    return torch.einsum("btp,btq->bpq", left, right).reshape(left.shape[0], -1)
+
+
+def _pieces(module: nn.Module, inputs: tuple, grad: torch.Tensor, trained: set) -> list[tuple]:
+    """One use of a module as (param, "factors", L, R) or (param, "explicit", per-example gradient) items, for
+    the parameters in `trained` (while recording, they are all marked requires_grad=False)."""
     out = []
-    trained = set(_own_trainable(module))
     if isinstance(module, (nn.Linear, Conv1D)):
         a, g = _flat(inputs[0]), _flat(grad)
         left, right = (g, a) if isinstance(module, nn.Linear) else (a, g)
@@ -168,7 +188,15 @@ def _pieces(module: nn.Module, inputs: tuple, grad: torch.Tensor) -> list[tuple]
         out.append((module.weight, "explicit", (_flat(grad) * _flat(normed)).sum(1)))
     else:  # small tensors (LayerNorm, ViT embeddings ...): Opacus' registered rule
         rule = GradSampleModule.GRAD_SAMPLERS[type(module)]
-        for p, gs in rule(module, list(inputs), grad).items():
+        own = {p: p.requires_grad for p in module.parameters(recurse=False) if p in trained}
+        try:  # the rules skip tensors with requires_grad=False: mark this module's trained ones for the call
+            for p in own:
+                p.requires_grad_(True)
+            per_example = rule(module, list(inputs), grad)
+        finally:
+            for p, flag in own.items():
+                p.requires_grad_(flag)
+        for p, gs in per_example.items():
             out.append((p, "explicit", _f32(gs)))
     return [item for item in out if item[0] in trained]
 
@@ -177,6 +205,11 @@ class GhostClippingEngine:
     """Records what each trained module needs during one micro-batch's forward and backward, then gives
     per-example squared norms per tensor and clipped sums. `recording()` wraps forward + backward.
 
+    Each use of a module is turned into pieces as soon as its output gradient arrives in the backward: small
+    tensors (norms' scales, biases, embeddings' extra parameters) and layers whose per-example gradient is no
+    larger than their factors get it computed there, so their inputs and output gradients are freed at once;
+    the other linear maps keep their two factors until the clip factors are known.
+
     `explicit` records, for tests, which tensors took the materialising path (others never hold (B, *shape)).
     """
 
@@ -184,9 +217,9 @@ class GhostClippingEngine:
         self.model = model
         self.modules = [m for m in model.modules() if _own_trainable(m)]
         self.params = [p for m in self.modules for p in _own_trainable(m)]
-        self._uses: dict[nn.Module, list[list]] = {}
+        self._trained = set(self.params)
         self._recording = False
-        self._pieces: dict[nn.Parameter, list] | None = None
+        self._pieces: dict[nn.Parameter, list] = {}
         self.explicit: set[nn.Parameter] = set()
         self._handles = [m.register_forward_hook(self._forward_hook) for m in self.modules]
 
@@ -197,7 +230,7 @@ class GhostClippingEngine:
         self.clear()
 
     def clear(self) -> None:
-        self._uses, self._pieces = {}, None
+        self._pieces = {}
 
     @contextlib.contextmanager
     def recording(self):
@@ -223,33 +256,28 @@ class GhostClippingEngine:
         if not output.requires_grad:  # nothing trained below: the gradient starts here
             output = output.detach().requires_grad_(True)
         saved = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
-        use = [saved, None, [x._version for x in saved if isinstance(x, torch.Tensor)]]
-        self._uses.setdefault(module, []).append(use)
-
-        def keep_grad(grad, use=use):
-            use[1] = grad.detach()
-
-        output.register_hook(keep_grad)
+        versions = [x._version for x in saved if isinstance(x, torch.Tensor)]
+        # The hook (and what it holds) lives as long as the graph: a use whose output never reaches the loss
+        # costs nothing after the backward.
+        output.register_hook(functools.partial(self._on_output_grad, module, saved, versions))
         return output
 
+    def _on_output_grad(self, module, inputs, versions, grad) -> None:
+        """One use's pieces, from its inputs and output gradient (in the backward pass)."""
+        if versions != [x._version for x in inputs if isinstance(x, torch.Tensor)]:
+            # autograd would refuse too: the norms would be computed on the wrong activations
+            raise RuntimeError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
+                               "after its forward; use clipping_engine='hooks'.")
+        for p, kind, *data in _pieces(module, inputs, grad.detach(), self._trained):
+            if kind == "factors" and _materialise_now(*data):
+                kind, data = "explicit", [_materialise(*data)]
+            self._pieces.setdefault(p, []).append((kind, *data))
+
     def _collect(self) -> dict[nn.Parameter, list]:
-        if self._pieces is None:
-            self._pieces = {}
-            for module, uses in self._uses.items():
-                for inputs, grad, versions in uses:
-                    if grad is None:  # this use's output did not reach the loss
-                        continue
-                    if versions != [x._version for x in inputs if isinstance(x, torch.Tensor)]:
-                        # autograd would refuse too: the norms would be computed on the wrong activations
-                        raise RuntimeError(f"GhostClippingEngine: the input of {type(module).__name__} was modified "
-                                           "in place after its forward; use clipping_engine='hooks'.")
-                    for p, kind, *data in _pieces(module, inputs, grad):
-                        self._pieces.setdefault(p, []).append((kind, *data))
-            self._uses = {}
         return self._pieces
 
     def has_gradients(self) -> bool:
-        return bool(self._uses) or bool(self._pieces)
+        return bool(self._pieces)
 
     def squared_norms(self) -> dict[nn.Parameter, torch.Tensor]:
         """Per-example squared gradient norm of every trained tensor that got a gradient, float32 (B,)."""
@@ -257,9 +285,8 @@ class GhostClippingEngine:
         for p, pieces in self._collect().items():
             factored = [x for x in pieces if x[0] == "factors"]
             explicit = [x[1].reshape(len(x[1]), -1) for x in pieces if x[0] == "explicit"]
-            if factored and (explicit or self._explicit_is_cheaper(factored)):
-                explicit = explicit + [self._materialise(p, left, right) for _, left, right in factored]
-                pieces[:] = [("explicit", sum(explicit))]
+            if factored and explicit:  # a tensor with uses of both kinds: one per-example gradient
+                explicit = explicit + [_materialise(left, right) for _, left, right in factored]
                 factored = []
             if explicit:
                 total = sum(explicit)
@@ -285,20 +312,6 @@ class GhostClippingEngine:
         if key not in cache:
             cache[key] = _gram(x, x)
         return cache[key]
-
-    @staticmethod
-    def _explicit_is_cheaper(factored: list) -> bool:
-        if len(factored) != 1 or isinstance(factored[0][1], _Index):
-            return False
-        _, left, right = factored[0]
-        t, p, q = left.shape[1], left.shape[2], right.shape[2]
-        return t * t * (p + q) > t * p * q
-
-    @staticmethod
-    def _materialise(param, left, right) -> torch.Tensor:
-        if isinstance(left, _Index):
-            left = F.one_hot(left.ids, left.rows).to(right.dtype)
-        return torch.einsum("btp,btq->bpq", left, right).reshape(left.shape[0], -1)
 
     def clipped_sums(self, factors: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i factors[p]_i · G_i(p) for every tensor of `squared_norms()`, in float32 and p's shape."""
