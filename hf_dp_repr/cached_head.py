@@ -11,14 +11,22 @@ Caching is only done when it gives the same updates as running the backbone:
 - the head is one module whose output is the model's logits (checked on the first batch);
 - the head shares no parameter with the backbone (a tied `lm_head` is also the input embedding);
 - the dataset is a `datasets.Dataset` with no transform (random augmentation), unless forced.
+
+The inputs are kept in the process-wide `feature_store` (keyed by the backbone's weights and the dataset), so the
+evaluation set's are computed once too and the probe is evaluated on them, and later `train()` calls (a sweep's
+trials) reuse the training set's.
 """
 
 from __future__ import annotations
 
-import datasets
 import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
+
+from .feature_store import (NotCacheable, data_reason_not_to_cache, dataset_key, evict_until, lookup, store,  # noqa: F401
+                            weights_digest)
+
+HEAD_INPUTS_KEY = "_dp_head_inputs"  # the evaluation batches' key of the cached head inputs
 
 
 class CachedHeadInputs(Dataset):
@@ -33,6 +41,21 @@ class CachedHeadInputs(Dataset):
     def __getitem__(self, i: int) -> dict:
         return {"features": self.features[i], "labels": self.labels[i]}
 
+    folder = None  # an in-memory feature_store entry
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.features, self.labels))
+
+    def delete(self) -> None:
+        pass
+
+
+def head_inputs_collator(items: list[dict]) -> dict:
+    """Evaluation batches of cached head inputs, under a key no dataset column can take."""
+    return {HEAD_INPUTS_KEY: torch.stack([x["features"] for x in items]),
+            "labels": torch.stack([torch.as_tensor(x["labels"]) for x in items])}
+
 
 def structural_reason_not_to_cache(model: torch.nn.Module, head_names: list[str]) -> str | None:
     """Why the head cannot run on cached inputs, from the model's structure alone (None if it can)."""
@@ -44,15 +67,6 @@ def structural_reason_not_to_cache(model: torch.nn.Module, head_names: list[str]
               if id(p) in head_ids and not n.startswith(head_names[0] + ".")]
     if shared:
         return f"the head shares parameters with the backbone ({', '.join(shared)}): training it changes the features"
-    return None
-
-
-def data_reason_not_to_cache(dataset) -> str | None:
-    """Why the dataset's examples may differ between epochs (None if they cannot)."""
-    if not isinstance(dataset, datasets.Dataset):
-        return f"the dataset is a {type(dataset).__name__}, whose items may be random (augmentation)"
-    if dataset.format.get("type") == "custom":
-        return "the dataset has a transform (set_transform / with_transform), which may be random augmentation"
     return None
 
 
@@ -101,6 +115,24 @@ def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoad
     return CachedHeadInputs(torch.cat(features), torch.cat(labels))
 
 
+def head_inputs_for(model: torch.nn.Module, head_name: str, dataset, collator, args) -> CachedHeadInputs:
+    """The head inputs of `dataset` (computed now unless this process has them for the same backbone weights),
+    kept in the feature store when they fit `cache_features_max_memory_gb`."""
+    prefix = head_name + "."
+    backbone = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(prefix)]
+    key = (type(model).__name__, "head", head_name, weights_digest(backbone + list(model.named_buffers())),
+           *dataset_key(dataset, collator))
+    if (inputs := lookup(key)) is not None:
+        return inputs
+    loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
+    inputs = compute_head_inputs(model, head_name, loader, args.device, show_progress=not args.disable_tqdm)
+    bound = args.cache_features_max_memory_gb * 2**30
+    if inputs.nbytes <= bound:
+        evict_until(bound - inputs.nbytes)
+        store(key, inputs)
+    return inputs
+
+
 def prepare_cached_head(model: torch.nn.Module, scopes: list, args, train_dataset, dataset_and_collator
                         ) -> tuple[str | None, CachedHeadInputs | None, str | None]:
     """(head module name, its cached inputs, None) when this run is a linear probe that may train on cached
@@ -117,16 +149,10 @@ def prepare_cached_head(model: torch.nn.Module, scopes: list, args, train_datase
         reason = data_reason_not_to_cache(train_dataset)
     if reason is None:
         dataset, collator = dataset_and_collator()
-        loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
         try:
-            inputs = compute_head_inputs(model, head_names[0], loader, args.device, show_progress=not args.disable_tqdm)
-            return head_names[0], inputs, None
+            return head_names[0], head_inputs_for(model, head_names[0], dataset, collator, args), None
         except NotCacheable as e:
             reason = str(e)
     if forced:
         raise ValueError(f"DPTrainer: cache_features=True, but {reason}.")
     return None, None, reason
-
-
-class NotCacheable(RuntimeError):
-    """The head cannot be trained on cached inputs without changing the updates."""

@@ -42,21 +42,16 @@ Example:
 
 from __future__ import annotations
 
-import atexit
-import hashlib
-import shutil
-import tempfile
-from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from .cached_head import NotCacheable, data_reason_not_to_cache
+from .feature_store import (_FOLDERS, _STORE, CacheEntry, NotCacheable, clear_feature_cache,  # noqa: F401 (re-exported)
+                            data_reason_not_to_cache, dataset_key, lookup, store, weights_digest)
 from .scope import _modules_after, find_block_stack
 
 STATES_KEY = "_dp_prefix_states"  # the batch key of the cached states; popped before the model sees the batch
@@ -230,88 +225,23 @@ def compute_prefix_states(model: nn.Module, cut: CutPoint, loader: DataLoader, d
     return entry
 
 
-# ---- the process-wide store ------------------------------------------------------------------------------------
-@dataclass
-class CacheEntry:
-    """One dataset's prefix states: a tensor in memory, or a memmap in `folder` (a fresh temporary folder)."""
-
-    states: torch.Tensor | np.memmap
-    folder: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.states.nbytes if self.folder else self.states.numel() * self.states.element_size()
-
-    @classmethod
-    def allocate(cls, n: int, shape, dtype, max_memory_gb: float, max_disk_gb: float) -> "CacheEntry":
-        size = n * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        if size <= max_memory_gb * 2**30:
-            _evict_until(max_memory_gb * 2**30 - size)
-            return cls(torch.empty((n, *shape), dtype=dtype))
-        if size <= max_disk_gb * 2**30:
-            folder = tempfile.mkdtemp(prefix="hf-dp-repr-prefix-cache-")
-            _FOLDERS.add(folder)
-            np_dtype = torch.empty((), dtype=dtype).numpy().dtype
-            return cls(np.memmap(f"{folder}/states.npy", dtype=np_dtype, mode="w+", shape=(n, *shape)), folder)
-        raise NotCacheable(f"the states need {size / 2**30:.2f} GiB, over cache_features_max_memory_gb="
-                           f"{max_memory_gb} and cache_features_max_disk_gb={max_disk_gb}")
-
-    def delete(self) -> None:
-        if self.folder:
-            del self.states
-            shutil.rmtree(self.folder, ignore_errors=True)
-            _FOLDERS.discard(self.folder)
-
-
-_STORE: OrderedDict[tuple, CacheEntry] = OrderedDict()
-_FOLDERS: set[str] = set()
-
-
-def clear_feature_cache() -> None:
-    """Free every cached prefix state of this process (memory and temporary files)."""
-    while _STORE:
-        _STORE.popitem(last=False)[1].delete()
-
-
-def _evict_until(free_bytes: float) -> None:
-    """Drop the oldest in-memory entries until the rest take at most `free_bytes`."""
-    while _STORE and sum(e.nbytes for e in _STORE.values() if not e.folder) > max(free_bytes, 0):
-        oldest = next((k for k, e in _STORE.items() if not e.folder), None)
-        if oldest is None:
-            return
-        _STORE.pop(oldest).delete()
-
-
-@atexit.register
-def _delete_folders() -> None:
-    for folder in list(_FOLDERS):
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def cache_key(model: nn.Module, cut: CutPoint, dataset, collator) -> tuple:
     """(model class, cut, hash of the frozen prefix's weights and buffers, dataset, collator)."""
-    digest = hashlib.blake2b(digest_size=16)
-    tensors = [(n, p) for n, p in _prefix_parameters(model, cut.stack_name, cut.first)]
-    tensors += [(n, b) for n, b in model.named_buffers()]
-    for name, t in tensors:
-        digest.update(name.encode())
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    data = getattr(dataset, "_fingerprint", None) or f"id{id(dataset)}"
-    return (type(model).__name__, cut.stack_name, cut.first, digest.hexdigest(), data, len(dataset), repr(collator))
+    frozen = _prefix_parameters(model, cut.stack_name, cut.first) + list(model.named_buffers())
+    return (type(model).__name__, cut.stack_name, cut.first, weights_digest(frozen), *dataset_key(dataset, collator))
 
 
 def states_for(model: nn.Module, cut: CutPoint, dataset, collator, args) -> CacheEntry:
     """The cached states of `dataset` (computed now unless this process already has them)."""
     key = cache_key(model, cut, dataset, collator)
-    if key in _STORE:
-        _STORE.move_to_end(key)
-        return _STORE[key]
+    if (entry := lookup(key)) is not None:
+        return entry
     if len(dataset) > 1 and (reason := _varying_length_reason(dataset, collator)):
         raise NotCacheable(reason)
     loader = DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator)
     entry = compute_prefix_states(model, cut, loader, args.device, args.cache_features_max_memory_gb,
                                   args.cache_features_max_disk_gb, show_progress=not args.disable_tqdm)
-    _STORE[key] = entry
+    store(key, entry)
     return entry
 
 

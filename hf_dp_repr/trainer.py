@@ -35,13 +35,13 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import ModelOutput
 from transformers.utils import logging
 
-from .cached_head import prepare_cached_head, set_probe_modes
+from .cached_head import set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
 from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
-from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, prepare_prefix_cache, run_from_states,
+from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, run_from_states,
                            set_frozen_prefix_modes)
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
 from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
@@ -55,14 +55,14 @@ from .privacy.validation import check_model_is_privatizable, check_train_dataset
 from .resume import finish_without_training, is_finished
 from .scope import phase_scopes
 from .trainer_clipping import DPClippingMixin
-from .trainer_prefix_eval import DPPrefixEvalMixin
+from .trainer_features import DPFeatureCacheMixin
 from .trainer_report import DPPlanReportMixin
 from .trainer_saving import DPSavingMixin
 from .trainer_search import DPSearchMixin
 
 logger = logging.get_logger(__name__)
 
-class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPPrefixEvalMixin, DPSavingMixin, Trainer):
+class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCacheMixin, DPSavingMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -109,10 +109,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPPrefixEvalM
         self.ledger: PrivacyLedger | None = None
         self._plan: PrivacyLedger | None = None
         self._applied_phase: int | None = None
-        self._cached_head: str | None = None  # name of the head module trained on cached inputs, if any
-        self._cached_inputs = None
-        self._prefix_cut = None  # trainable_blocks=k: where the frozen prefix ends (prefix_cache.CutPoint)
-        self._prefix_states = None  # the training set's cached prefix states, if used
+        self._features_ready = False  # the feature caches (trainer_features) of this train() are prepared
         self._dp_optimizer = None
         self._grad_sample_hooks = None
         self._ghost_engine = None  # a GhostClippingEngine while training with clipping_engine='ghost'
@@ -147,6 +144,9 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPPrefixEvalM
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("DPTrainer: training requires a train_dataset.")
+        if not self._features_ready:
+            self._prepare_feature_caches()
+            self._features_ready = True
         args = self.args
         if self._cached_head is not None:
             dataset, collator = self._cached_inputs, default_data_collator
@@ -333,21 +333,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPPrefixEvalM
                 return finish_without_training(self, path, self._resume_ledger)
         if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
             start_continual(self, path if resume_from_checkpoint else None)
-        # Cached features are per row: not with privacy units. With model_init the Trainer makes a fresh model inside
-        # train(): features cached from this one would be stale.
-        self._cached_head, self._cached_inputs, no_cache = (None, None, None) if self._unit_rows is not None else \
-            prepare_cached_head(self.model, [] if self.model_init is not None else self._scopes, self.args,
-                                self.train_dataset, self._train_dataset_and_collator)
-        if no_cache:
-            logger.warning(f"DPTrainer: linear probe without cached features ({no_cache}); each step runs the "
-                           "backbone.")
-        # Hidden states are cached per row (not with privacy units), and from this model (not with model_init).
-        self._prefix_cut, self._prefix_states, no_cache = prepare_prefix_cache(
-            self.model, [] if self.model_init is not None or self._unit_rows is not None else self._scopes,
-            self.args, self.train_dataset, self._train_dataset_and_collator)
-        if no_cache:
-            logger.warning(f"DPTrainer: frozen blocks below block {self._prefix_cut.first} not cached ({no_cache}); "
-                           "each step runs them.")
+        self._features_ready = False  # prepared with the training dataloader, on the model that trains
         state = "failed"
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,

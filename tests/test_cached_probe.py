@@ -71,3 +71,42 @@ def test_probe_with_dropout_runs_the_frozen_backbone_in_eval_mode_and_caches(dig
 def test_cache_features_true_refuses_a_head_it_cannot_cache(token_dataset, tmp_path):
     with pytest.raises(ValueError, match="cache_features=True, but the head shares parameters"):
         probe(token_dataset, tmp_path, model=tiny_gpt2(), per_device_train_batch_size=8, cache_features=True)
+
+
+def test_probe_evaluates_and_sweeps_on_features_computed_once(digits, tmp_path):
+    """The eval set's head inputs are computed once and the probe is evaluated on them (the same metrics as running
+    the backbone); a later train() and a model_init trial with the same backbone reuse the training set's."""
+    import math
+
+    from hf_dp_repr.feature_store import clear_feature_cache
+
+    clear_feature_cache()
+    data, held_out = digits["train"].select(range(96)), digits["test"].select(range(40))
+    model = tiny_vit()
+    calls = []
+    model.vit.layers[0].register_forward_pre_hook(lambda m, a: calls.append(len(a[0])))
+    trainer = probe(data, tmp_path / "a", model=model)
+    first = trainer.evaluate(held_out)
+    assert sum(calls) == len(data) + len(held_out)  # one feature pass over each set
+    assert trainer.evaluate(held_out)["eval_loss"] == first["eval_loss"] and sum(calls) == len(data) + len(held_out)
+    plain = DPTrainer(model=model, args=trainer.args, train_dataset=data)  # not trained: runs the whole model
+    assert math.isclose(plain.evaluate(held_out)["eval_loss"], first["eval_loss"], rel_tol=1e-5)
+    calls.clear()
+    probe(data, tmp_path / "b", model=model)  # a second run on the same backbone and data
+    assert calls == []
+
+    made = []
+
+    def model_init(trial=None):
+        made.append(tiny_vit())
+        made[-1].vit.layers[0].register_forward_pre_hook(lambda m, a: calls.append(len(a[0])))
+        return made[-1]
+
+    args = DPTrainingArguments(output_dir=str(tmp_path / "init"), trainable_blocks=0, max_steps=2,
+                               noise_multiplier=0.0, per_device_train_batch_size=32, report_to="none",
+                               save_strategy="no", disable_tqdm=True, noise_seed=0)
+    swept = DPTrainer(model_init=model_init, args=args, train_dataset=data)
+    swept.train()
+    swept.train()  # a second trial: a fresh model with the same frozen weights
+    assert len(made) >= 2 and swept._cached_head == "classifier" and calls == []  # features from the store
+    clear_feature_cache()
