@@ -44,7 +44,7 @@ from .continual import check_public_phase, finish_record, start_continual
 from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, prepare_prefix_cache, run_from_states,
                            set_frozen_prefix_modes)
 from .privacy.accounting import LEDGER_FILE, PrivacyLedger
-from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
+from .privacy.grad_samplers import batch_position_ids
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
 from .privacy.randomness import DPRandomness
