@@ -49,7 +49,7 @@ def test_language_model_on_the_stdlib_corpus_with_byte_fallback(tmp_path):
     tiny_gpt2().save_pretrained(tmp_path / "gpt2")  # no tokenizer saved: byte-level fallback
     out = tmp_path / "law"
     args = parse(["analyze", "--model", str(tmp_path / "gpt2"), "--label", "tiny-gpt2", "--dataset",
-                  "stdlib-docs", "--max-examples", "16", "--block-size", "32", "--out", str(out)])
+                  "stdlib-blocks", "--max-examples", "16", "--block-size", "32", "--out", str(out)])
     assert run_analyze(args) == 0
     report = json.loads((out / "representation_law.json").read_text())["models"]["tiny-gpt2"]
     assert report["task"] == "causal-lm" and report["fuzziness"] is None

@@ -80,3 +80,59 @@ def test_no_module_imports_grad_samplers_for_a_side_effect():
             if isinstance(node, ast.ImportFrom) and any(a.name == "grad_samplers" for a in node.names):
                 bare.append(path)
     assert bare == []
+
+
+def _imports(tree) -> set[str]:
+    """Modules of the package a parsed module imports anywhere (module level or inside functions), absolute."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            out.add(("." * node.level) + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith(("hf_dp_repr", "."))}
+
+
+def test_embedded_datasets_have_one_loader_and_no_import_cycle():
+    """`hf_dp_repr.data` serves every embedded dataset; the stdlib corpus behind it imports nothing of the package,
+    and nothing but data.py imports it, so data ↔ analysis cannot import each other again."""
+    trees = dict(_trees())
+    assert not (PACKAGE / "analysis" / "corpus.py").exists()
+    assert _imports(trees["stdlib_corpus.py"]) == set()
+    assert not {m for m in _imports(trees["data.py"]) if "analysis" in m or "scripts" in m}
+    users = sorted(path for path, tree in trees.items() if any("stdlib_corpus" in m for m in _imports(tree)))
+    assert users == ["data.py"]
+    for module in ("hf_dp_repr.analysis.inputs", "hf_dp_repr.data"):  # each alone, in a fresh interpreter
+        subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=PACKAGE.parent)
+
+
+def test_each_embedded_dataset_name_has_one_meaning():
+    """'stdlib-docs' once named paragraphs (the LM recipe) and token blocks (analyze); now each has its own name and
+    the old one means paragraphs wherever it is passed."""
+    from hf_dp_repr.analysis.cli import add_analyze_parser
+    from hf_dp_repr.data import EMBEDDED_DATASETS, embedded_name, load_embedded
+    from hf_dp_repr.scripts.causal_lm import LMArguments
+
+    assert EMBEDDED_DATASETS == ("digits", "stdlib-paragraphs", "stdlib-blocks", "stdlib-topics")
+    paragraphs = load_embedded("stdlib-docs")
+    assert paragraphs["train"].column_names == ["text"]
+    assert paragraphs["train"]["text"] == load_embedded("stdlib-paragraphs")["train"]["text"]
+    blocks = load_embedded("stdlib-blocks", block_size=32)
+    assert blocks["train"].column_names == ["input_ids", "attention_mask"]
+    assert len(blocks["train"][0]["input_ids"]) == 32
+    assert embedded_name(LMArguments().dataset_name) == embedded_name("stdlib-docs") == "stdlib-paragraphs"
+    import argparse
+
+    analyze = add_analyze_parser(argparse.ArgumentParser().add_subparsers())
+    help_text = next(a.help for a in analyze._actions if "--dataset" in a.option_strings)
+    assert all(name in help_text for name in EMBEDDED_DATASETS) and "stdlib-docs = stdlib-paragraphs" in help_text
+    # The old name lives in one place as a value (the alias table), never as a second meaning elsewhere.
+    holders = set()
+    for path, tree in _trees():
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+                      and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        if any(isinstance(n, ast.Constant) and n.value == "stdlib-docs" and id(n) not in docstrings
+               for n in ast.walk(tree)):
+            holders.add(path)
+    assert holders == {"data.py"}
