@@ -444,11 +444,11 @@ def test_only_the_main_process_logs():
 def test_result_table_states_metrics_and_privacy():
     from hf_dp_repr.scripts import report as recipe_report
 
-    from hf_dp_repr.privacy.accounting import Phase, PrivacyLedger
+    from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
 
-    ledger = PrivacyLedger(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
-                           dataset_size=1006, poisson_sampling=True, phases=[Phase("train", 1.5, 0.1, 30, 100)],
-                           target_epsilon=8.0, world_size=1)
+    ledger = PrivacyLedger(PrivacyPlan(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=1006, poisson_sampling=True,
+                                       phases=[Phase("train", 1.5, 0.1, 30, 100)], target_epsilon=8.0, world_size=1))
     table = recipe_report.result_table({"eval_accuracy": 0.8642, "epsilon": 7.99}, ledger, "test",
                                        {"sample (greedy, DP model)": "'a | b'"})
     assert "| test accuracy" in table and "86.4 %" in table and "7.9900 (target 8)" in table
