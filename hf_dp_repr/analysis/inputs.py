@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hf_dp_repr.data import (DIGITS, EMBEDDED_ALIASES, EMBEDDED_DATASETS, STDLIB_BLOCKS,  # noqa: F401  (names for cli)
-                             embedded_name, load_embedded, resolve_model_path)
+                             STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path)
 
 from .batches import LANGUAGE, TEXT, VISION
 from .model_kind import DECODER, ENCODER, ENCODER_DECODER, text_model_kind
@@ -62,6 +62,10 @@ def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]
         data = load_embedded(embedded, tokenizer=tokenizer, vocab_size=model.config.vocab_size, block_size=block)
         return pick(data, split), LANGUAGE
     if embedded is not None:  # text rows (stdlib-paragraphs, stdlib-topics): tokenised per model below
+        if embedded == STDLIB_PARAGRAPHS and tokenizer is None:
+            text_task(name, model, labelled=False, dataset=args.dataset)  # an encoder is refused first, with its fix
+            raise SystemExit(f"error: {name} has no tokenizer for the paragraphs of {args.dataset}; --dataset "
+                             f"{STDLIB_BLOCKS} gives the same text as token blocks, with a byte-level fallback")
         data = pick(load_embedded(embedded), split)
     elif args.dataset.endswith(".npz"):  # the image recipe's arrays (x_train, y_train, x_test, y_test)
         from hf_dp_repr.image_data import load_npz
