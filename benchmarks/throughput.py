@@ -181,7 +181,7 @@ def run_opacus(make_model, data, batch, _engine=None) -> list[float]:
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader
 
-    from hf_dp_repr.privacy.grad_samplers import batch_position_ids  # also registers the HF grad samplers
+    from hf_dp_repr.privacy.grad_samplers import batch_position_ids
     from hf_dp_repr.privacy.loss import is_causal_lm, per_example_loss
 
     model = make_model().to(ARGS.device).train()

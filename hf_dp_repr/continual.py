@@ -131,7 +131,7 @@ class PrivatePhaseCurvature(TrainerCallback):
         gen = torch.Generator().manual_seed(10**6 + state.global_step)
         trace, stderr = model_trace(self.trainer.model, self.batch, args.hessian_probes, gen,
                                     self.trainer._grad_sample_hooks)
-        phase = self.trainer.ledger.phases[-1]
+        phase = self.trainer.ledger.plan.phases[-1]
         self.record["history"].append(dict(
             phase="private", step=self.record["switch_step"] + state.global_step, private_step=state.global_step,
             hessian_trace=trace, hessian_trace_stderr=stderr, epsilon=self.trainer.epsilon(),

@@ -1,9 +1,10 @@
 """Datasets (and the one pretrained model) that ship with the install, so the default run and the tests need no
-network.
+network; `load_embedded(name)` is the one loader of the embedded datasets, by the name users pass
+(`--dataset_name`, `--dataset`), for the recipes and `hf-dp-repr analyze` alike.
 
-- `load_digits_dataset()`: sklearn's 8×8 handwritten digits (image classification).
-- `load_stdlib_topics()`: paragraphs of Python's standard-library docstrings, labelled by their module (text
-  classification).
+- `digits` (`load_digits_dataset()`): sklearn's 8×8 handwritten digits (image classification).
+- `stdlib-paragraphs`, `stdlib-blocks`, `stdlib-topics`: Python's standard-library docstrings as paragraphs (one
+  document per row), as token blocks, and as paragraphs labelled by their module (`hf_dp_repr.stdlib_corpus`).
 - `document_blocks(docs, tokenizer, block_size)`: token blocks for a causal LM that never cross documents, each
   with its `document_id`, for document-level DP (`DPTrainingArguments(privacy_unit="document_id")`).
 - `resolve_model_path(name)`: `sentence-transformers/all-MiniLM-L6-v2` from the Hub, or without Hub access from the
@@ -16,9 +17,11 @@ Example:
     (1437, 360)
     >>> ds["train"][0]["pixel_values"].shape
     torch.Size([1, 8, 8])
-    >>> topics = load_stdlib_topics()
+    >>> topics = load_embedded("stdlib-topics")
     >>> topics["train"].features["labels"].names[:3], topics["train"].num_rows > 1000
     (['collections', 'pathlib', 'subprocess'], True)
+    >>> embedded_name("stdlib-docs"), embedded_name("./my-data")  # the old name of stdlib-paragraphs; not embedded
+    ('stdlib-paragraphs', None)
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import logging
 
 import numpy as np
 from datasets import Dataset, DatasetDict
+
+from .stdlib_corpus import (STDLIB_MODULES, byte_tokenize, load_stdlib_blocks,  # noqa: F401  (served from here)
+                            load_stdlib_paragraphs, load_stdlib_topics, stdlib_docstrings, stdlib_text,
+                            unique_documents, unique_paragraphs)
 
 logger = logging.getLogger(__name__)
 
@@ -65,43 +72,32 @@ def load_digits_dataset(test_size: float = 0.2, seed: int = 0) -> DatasetDict:
     return DatasetDict(train=split(idx_train), test=split(idx_test))
 
 
-def load_stdlib_topics(min_examples_per_class: int = 50, min_chars: int = 40, test_size: float = 0.2,
-                       seed: int = 0) -> DatasetDict:
-    """A topic-classification task from real English that ships with Python: each example is one paragraph of a
-    standard-library docstring (see `hf_dp_repr.analysis.corpus.stdlib_docstrings`), its label is the module the
-    docstring comes from (`logging`, `inspect`, `doctest`, ...).
+DIGITS, STDLIB_TOPICS = "digits", "stdlib-topics"
+STDLIB_PARAGRAPHS, STDLIB_BLOCKS = "stdlib-paragraphs", "stdlib-blocks"
+# Name → loader of every embedded dataset; each name has one meaning everywhere.
+_LOADERS = {DIGITS: load_digits_dataset, STDLIB_PARAGRAPHS: load_stdlib_paragraphs, STDLIB_BLOCKS: load_stdlib_blocks,
+            STDLIB_TOPICS: load_stdlib_topics}
+EMBEDDED_DATASETS = tuple(_LOADERS)
+# Old names users may still pass (configs, scripts): "stdlib-docs" was the LM recipe's paragraphs (it also named
+# analyze's token blocks, now `stdlib-blocks`).
+EMBEDDED_ALIASES = {"stdlib-docs": STDLIB_PARAGRAPHS}
 
-    Paragraphs shorter than `min_chars` characters are dropped, and so are modules with fewer than
-    `min_examples_per_class` paragraphs (16 modules, about 1,430 paragraphs with the defaults on Python 3.11).
-    Each distinct text appears once (`unique_paragraphs`): a paragraph repeated in several docstrings (inherited
-    methods, "Base class for arithmetic errors.") would otherwise sit in train and test, or twice in the private
-    set. Columns: `text` (str) and `labels` (ClassLabel named by module). The split is stratified and fixed by
-    `seed`. Under DP, the unit of privacy is one paragraph: a docstring of several paragraphs is several examples.
-    """
-    from collections import Counter
 
-    from datasets import ClassLabel, Features, Value
-    from sklearn.model_selection import train_test_split
+def embedded_name(name: str) -> str | None:
+    """The embedded dataset `name` stands for (its own name, or the one an old name stands for); None if it is not
+    one (a Hub name, a folder, a file)."""
+    name = EMBEDDED_ALIASES.get(name, name)
+    return name if name in _LOADERS else None
 
-    from hf_dp_repr.analysis.corpus import STDLIB_MODULES, stdlib_docstrings
 
-    rows = unique_paragraphs([(" ".join(p.split()), module) for module, doc in stdlib_docstrings()
-                              for p in doc.split("\n\n") if len(p.strip()) >= min_chars])
-    counts = Counter(module for _, module in rows)
-    names = [m for m in STDLIB_MODULES if counts[m] >= min_examples_per_class]
-    if len(names) < 2:
-        raise ValueError(f"min_examples_per_class={min_examples_per_class} leaves {len(names)} module(s); lower it")
-    rows = [(text, names.index(module)) for text, module in rows if module in names]
-    texts, labels = zip(*rows)
-    idx_train, idx_test = train_test_split(np.arange(len(rows)), test_size=test_size, random_state=seed,
-                                           stratify=labels)
-    features = Features({"text": Value("string"), "labels": ClassLabel(names=names)})
-
-    def split(idx):
-        return Dataset.from_dict({"text": [texts[i] for i in idx], "labels": [labels[i] for i in idx]},
-                                 features=features)
-
-    return DatasetDict(train=split(idx_train), test=split(idx_test))
+def load_embedded(name: str, **options) -> DatasetDict:
+    """The embedded dataset `name` ("train" and "test" splits); `options` go to its loader (e.g. `tokenizer` and
+    `block_size` to `load_stdlib_blocks`)."""
+    key = embedded_name(name)
+    if key is None:
+        raise ValueError(f"{name!r} is not an embedded dataset; embedded: {', '.join(EMBEDDED_DATASETS)} "
+                         f"({', '.join(f'{a} = {b}' for a, b in EMBEDDED_ALIASES.items())})")
+    return _LOADERS[key](**options)
 
 
 DOCUMENT_ID = "document_id"
@@ -145,21 +141,6 @@ def document_blocks(docs: Dataset, tokenizer, block_size: int, text_column: str 
         return out
 
     return docs.map(cut, batched=True, with_indices=True, remove_columns=docs.column_names)
-
-
-def unique_paragraphs(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """(text, label) rows with each text once, at its first occurrence; a text found under several labels is
-    dropped altogether (it cannot be classified)."""
-    labels: dict[str, set[str]] = {}
-    for text, label in rows:
-        labels.setdefault(text, set()).add(label)
-    seen: set[str] = set()
-    out = []
-    for text, label in rows:
-        if text not in seen and len(labels[text]) == 1:
-            out.append((text, label))
-        seen.add(text)
-    return out
 
 
 def resolve_model_path(name: str) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .errors import HubAccessError  # noqa: F401  (defined in errors.py, importable from here as before)
 from .model_card import CARD_FILE, write_model_card
-from .privacy.accounting import LEDGER_FILE
+from .privacy.ledger import LEDGER_FILE
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",

@@ -149,8 +149,6 @@ def check_peft_model(model) -> None:
     peft = _peft()
     from opacus.grad_sample import GradSampleModule
 
-    from .privacy import grad_samplers  # noqa: F401  (registers the HF rules that the check below relies on)
-
     if not is_peft_model(model):
         raise TypeError(f"check_peft_model: expected a peft.PeftModel, got {type(model).__name__}.")
     for name, cfg in model.peft_config.items():
@@ -274,8 +272,6 @@ def _check_targets_before_wrapping(model: nn.Module, config) -> None:
     from opacus.grad_sample import GradSampleModule
     from peft.tuners.tuners_utils import check_target_module_exists
     from transformers.pytorch_utils import Conv1D
-
-    from .privacy import grad_samplers  # noqa: F401  (registers Conv1D's rule)
 
     kinds, bad = set(), []
     if config.target_modules is not None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .privacy.accounting import LEDGER_FILE
+from .privacy.ledger import LEDGER_FILE
 from .privacy.units import ROW, describe_unit
 
 TEMPLATE_NAME = "dp_model_card.md"

@@ -1,6 +1,7 @@
 """The privacy plan of a `DPTrainer` run, made from `DPTrainingArguments` before the first step: the logical
 batch, the phases (one, or a linear probe then a fine-tune) and their σ, calibrated so that the whole planned
-run spends exactly the target ε; and the check that a checkpoint's ledger belongs to the same plan.
+run spends exactly the target ε (a frozen `PrivacyPlan`; the run's `PrivacyLedger` then counts its steps); and
+the check that a checkpoint's ledger belongs to the same plan.
 
 Example:
     >>> from hf_dp_repr import DPTrainingArguments
@@ -18,9 +19,10 @@ import math
 
 from .config import DPTrainingArguments
 from .errors import DPConfigError
-from .privacy.accounting import Phase, PrivacyLedger, calibrate_last_phase, calibrate_noise_multiplier
+from .privacy.accounting import calibrate_last_phase, calibrate_noise_multiplier
+from .privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
 
-# Ledger fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
+# Plan fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
 RESUME_INVARIANTS = ("accountant", "target_delta", "phases", "per_sample_max_grad_norm", "clipping", "dataset_size",
                      "world_size", "neighboring", "randomness", "privacy_unit")
 
@@ -37,8 +39,9 @@ def logical_batch(args: DPTrainingArguments, per_device: int, n: int) -> int:
     return batch
 
 
-def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
-    """The ledger a run of `args` on `dataset_size` examples (units, with a privacy_unit column) will fill, with every phase's σ, q and steps."""
+def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
+    """The plan of a run of `args` on `dataset_size` examples (units, with a privacy_unit column): every phase's σ,
+    q and steps, and what ε is stated for."""
     n = dataset_size
     batch = logical_batch(args, args.per_device_train_batch_size, n)
     steps_per_epoch = max(1, n // batch)
@@ -48,7 +51,7 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
         sigma = args.noise_multiplier
         if sigma is None:
             sigma = calibrate_noise_multiplier(eps, delta, batch / n, planned, acc, rel)
-        phases = [Phase("train", sigma, batch / n, planned, batch)]
+        phases = (Phase("train", sigma, batch / n, planned, batch),)
     else:
         lp_steps = round(args.lp_steps * planned) if args.lp_steps < 1 else int(args.lp_steps)
         if not 1 <= lp_steps < planned:
@@ -64,9 +67,9 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
         else:
             sigma1 = calibrate_noise_multiplier(args.lp_epsilon_fraction * eps, delta, q1, lp_steps, acc, rel)
             sigma2 = calibrate_last_phase(eps, delta, [(sigma1, q1, lp_steps)], q2, ft_steps, acc, neighboring=rel)
-        phases = [Phase("linear_probe", sigma1, q1, lp_steps, lp_batch), Phase("fine_tune", sigma2, q2, ft_steps,
-                                                                                batch)]
-    return PrivacyLedger(
+        phases = (Phase("linear_probe", sigma1, q1, lp_steps, lp_batch),
+                  Phase("fine_tune", sigma2, q2, ft_steps, batch))
+    return PrivacyPlan(
         accountant=acc, target_delta=delta, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
         clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
         target_epsilon=eps, world_size=args.world_size, neighboring=rel,
@@ -74,15 +77,16 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyLedger:
     )
 
 
-def resume_ledger(plan: PrivacyLedger, checkpoint: PrivacyLedger, global_step: int) -> PrivacyLedger:
-    """The checkpoint's ledger, if it belongs to `plan` and to the trainer state at `global_step`; else an error
-    that lists what changed."""
-    changed = [f"{k}: checkpoint {getattr(checkpoint, k)!r} vs now {getattr(plan, k)!r}"
-               for k in RESUME_INVARIANTS if getattr(checkpoint, k) != getattr(plan, k)]
+def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int) -> PrivacyLedger:
+    """The checkpoint's ledger, if its plan is `plan` (on `RESUME_INVARIANTS`) and it belongs to the trainer state at
+    `global_step`; else an error that lists what changed."""
+    saved = checkpoint.plan
+    changed = [f"{k}: checkpoint {getattr(saved, k)!r} vs now {getattr(plan, k)!r}"
+               for k in RESUME_INVARIANTS if getattr(saved, k) != getattr(plan, k)]
     if changed:
         raise DPConfigError("DPTrainer: cannot resume, the privacy plan changed since the checkpoint "
-                         "(resume with the same arguments and data):\n  " + "\n  ".join(changed))
+                            "(resume with the same arguments and data):\n  " + "\n  ".join(changed))
     if checkpoint.steps_done != global_step:
-        raise DPConfigError(f"DPTrainer: the checkpoint's ledger counts {checkpoint.steps_done} DP steps but its trainer "
-                         f"state {global_step}; the checkpoint is inconsistent.")
+        raise DPConfigError(f"DPTrainer: the checkpoint's ledger counts {checkpoint.steps_done} DP steps but its "
+                            f"trainer state {global_step}; the checkpoint is inconsistent.")
     return checkpoint

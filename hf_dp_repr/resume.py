@@ -16,13 +16,13 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from .plan import resume_ledger
-from .privacy.accounting import PrivacyLedger
+from .privacy.ledger import PrivacyLedger
 
 logger = logging.get_logger(__name__)
 
 
 def is_finished(ledger: PrivacyLedger) -> bool:
-    return ledger.steps_done >= ledger.planned_steps
+    return ledger.steps_done >= ledger.plan.planned_steps
 
 
 def finish_without_training(trainer, checkpoint: str, ledger: PrivacyLedger) -> TrainOutput:
@@ -32,9 +32,10 @@ def finish_without_training(trainer, checkpoint: str, ledger: PrivacyLedger) -> 
     trainer._load_from_checkpoint(checkpoint)
     trainer.state = state
     eps = trainer.epsilon()
+    plan = ledger.plan
     logger.warning(
-        f"DPTrainer: nothing to resume, {checkpoint} ends a finished run: all {ledger.planned_steps} planned DP steps "
-        f"are done (ε = {eps:.4f}, δ = {ledger.target_delta:g}). No step taken, ε unchanged; the model holds the "
+        f"DPTrainer: nothing to resume, {checkpoint} ends a finished run: all {plan.planned_steps} planned DP steps "
+        f"are done (ε = {eps:.4f}, δ = {plan.target_delta:g}). No step taken, ε unchanged; the model holds the "
         "checkpoint's weights. To train further, plan a new run (with its own budget) from these weights."
     )
     return TrainOutput(state.global_step, math.nan, {"epsilon": eps, "epoch": state.epoch, "train_runtime": 0.0})

@@ -5,8 +5,8 @@ What changes against the plain Trainer, and nothing else:
 - gradients: Opacus per-sample gradient hooks on the unwrapped HF model (so what is saved is a plain HF
   model), each example's gradient clipped after its micro-batch, Gaussian noise once per logical step;
 - loss: the sum of per-example losses (`privacy.loss`), overridable through `per_example_loss`;
-- accounting: σ calibrated for the whole planned run (`plan`), a `PrivacyLedger` stepped at every update, `epsilon`
-  in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`.
+- accounting: σ calibrated for the whole planned run (a frozen `PrivacyPlan`), a `PrivacyLedger` stepped at every
+  update, `epsilon` in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`.
 
 Example (runs in seconds on a CPU):
     >>> from hf_dp_repr import DPTrainer, DPTrainingArguments
@@ -43,8 +43,8 @@ from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
 from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, run_from_states,
                            set_frozen_prefix_modes)
-from .privacy.accounting import LEDGER_FILE, PrivacyLedger
-from .privacy.grad_samplers import batch_position_ids  # importing it registers HF grad samplers into Opacus
+from .privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan
+from .privacy.grad_samplers import batch_position_ids
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
 from .privacy.randomness import DPRandomness
@@ -107,7 +107,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.model_card_info = ModelCardInfo.from_value(model_card_info)  # written by model_card.write_model_card
         self.ledger: PrivacyLedger | None = None
-        self._plan: PrivacyLedger | None = None
+        self._plan: PrivacyPlan | None = None
         self._applied_phase: int | None = None
         self._features_ready = False  # the feature caches (trainer_features) of this train() are prepared
         self._dp_optimizer = None
@@ -133,8 +133,9 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         self._unit_rows = unit_rows(column_values(dataset, args.privacy_unit))
         return self._unit_rows[1]
 
-    def privacy_plan(self) -> PrivacyLedger:
-        """The ledger this run will fill: its phases (sample rate, steps, σ calibrated if a target ε is set)."""
+    def privacy_plan(self) -> PrivacyPlan:
+        """What this run will do: its phases (sample rate, steps, σ calibrated if a target ε is set), frozen; the
+        steps taken are counted by `self.ledger`."""
         if self._plan is None:
             n = len(self.train_dataset) if self._unit_rows is None else self._unit_rows[1]
             self._plan = plan_run(self.args, n)
@@ -195,8 +196,8 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             self._scopes[-1].apply(self.model)
         super().create_optimizer(model)
         plan = self.privacy_plan()
-        self.ledger = plan if self._resume_ledger is None else resume_ledger(plan, self._resume_ledger,
-                                                                             self.state.global_step)
+        self.ledger = PrivacyLedger(plan) if self._resume_ledger is None else resume_ledger(
+            plan, self._resume_ledger, self.state.global_step)
         self._attach_hooks()
         self._dp_optimizer = MicroBatchDPOptimizer(
             self.optimizer, clipping=self.args.clipping, noise_multiplier=self.ledger.noise_multiplier,
@@ -241,7 +242,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             self._scopes[index].apply(self.model)
             self._remove_hooks()
             self._attach_hooks()
-        phase = self.ledger.phases[index]
+        phase = self.ledger.plan.phases[index]
         self._dp_optimizer.noise_multiplier = phase.noise_multiplier
         self._dp_optimizer.expected_batch_size = phase.expected_batch_size
         if self._applied_phase is not None:
@@ -363,7 +364,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         privacy = {}
         if self.ledger is not None:
             privacy["epsilon"] = self.epsilon()
-            if len(self.ledger.phases) > 1:
+            if len(self.ledger.plan.phases) > 1:
                 privacy.update({f"epsilon_{name}": eps for name, eps in self.ledger.epsilon_by_phase().items()})
         logged = {**logs, **privacy}
         super().log(logged, *args, **kwargs)

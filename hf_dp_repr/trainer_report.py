@@ -16,12 +16,12 @@ class DPPlanReportMixin:
     def _announce_plan(self) -> None:
         if not self.is_world_process_zero():  # once, not once per process
             return
-        led = self.ledger
+        led = self.ledger.plan  # the checkpoint's plan when resuming
         if led.randomness == "seeded":
             logger.warning(f"DPTrainer: noise_seed={self.args.noise_seed}. The noise and the batches are reproducible "
                            "from this seed: the run is NOT private against anyone who knows it. Use it for tests and "
                            "experiments only.")
-        if led.noise_multiplier == 0:
+        if self.ledger.noise_multiplier == 0:
             logger.warning("DPTrainer: noise_multiplier=0. This run is NOT differentially private (ε = ∞); "
                            + ("no clipping (the plain gradient)" if led.clipping == "none" else
                               "per-example clipping only") + ", as a non-private reference.")

@@ -2,13 +2,8 @@
 
 import pytest
 
-from hf_dp_repr.privacy.accounting import (
-    Phase,
-    PrivacyLedger,
-    calibrate_last_phase,
-    calibrate_noise_multiplier,
-    compute_epsilon,
-)
+from hf_dp_repr.privacy.accounting import calibrate_last_phase, calibrate_noise_multiplier, compute_epsilon
+from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
@@ -84,9 +79,10 @@ def test_replace_one_neighbours():
 
 
 def test_ledger_steps_through_its_phases_and_round_trips(tmp_path):
-    ledger = PrivacyLedger(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
-                           dataset_size=100, poisson_sampling=True,
-                           phases=[Phase("linear_probe", 2.0, 0.2, 2, 20), Phase("fine_tune", 1.0, 0.1, 3, 10)])
+    ledger = PrivacyLedger(PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=100, poisson_sampling=True,
+                                       phases=[Phase("linear_probe", 2.0, 0.2, 2, 20),
+                                               Phase("fine_tune", 1.0, 0.1, 3, 10)]))
     for _ in range(5):
         ledger.record_step()
     assert ledger.history == [(2.0, 0.2, 2), (1.0, 0.1, 3)]

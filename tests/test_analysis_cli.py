@@ -49,7 +49,7 @@ def test_language_model_on_the_stdlib_corpus_with_byte_fallback(tmp_path):
     tiny_gpt2().save_pretrained(tmp_path / "gpt2")  # no tokenizer saved: byte-level fallback
     out = tmp_path / "law"
     args = parse(["analyze", "--model", str(tmp_path / "gpt2"), "--label", "tiny-gpt2", "--dataset",
-                  "stdlib-docs", "--max-examples", "16", "--block-size", "32", "--out", str(out)])
+                  "stdlib-blocks", "--max-examples", "16", "--block-size", "32", "--out", str(out)])
     assert run_analyze(args) == 0
     report = json.loads((out / "representation_law.json").read_text())["models"]["tiny-gpt2"]
     assert report["task"] == "causal-lm" and report["fuzziness"] is None
@@ -108,3 +108,10 @@ def test_umap_missing_dependency_is_explained(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "umap", None)  # makes `import umap` raise ImportError
     with pytest.raises(ImportError, match="pip install 'hf-dp-repr\\[umap\\]'"):
         plot_umap(np.ones((10, 3)), np.zeros(10), tmp_path / "u.png")
+
+
+def test_stdlib_paragraphs_without_a_tokenizer_points_to_the_token_blocks(tmp_path):
+    tiny_gpt2().save_pretrained(tmp_path / "gpt2")  # no tokenizer saved
+    with pytest.raises(SystemExit, match="no tokenizer for the paragraphs of stdlib-docs; --dataset stdlib-blocks"):
+        run_analyze(parse(["analyze", "--model", str(tmp_path / "gpt2"), "--dataset", "stdlib-docs",
+                           "--out", str(tmp_path / "law")]))

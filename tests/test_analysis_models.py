@@ -11,7 +11,7 @@ from hf_dp_repr.analysis import (
     prediction_residual,
     separation_fuzziness,
 )
-from hf_dp_repr.analysis.corpus import byte_tokenize, load_text_dataset, stdlib_text
+from hf_dp_repr.data import byte_tokenize, load_stdlib_blocks, stdlib_text
 from hf_dp_repr.data import load_digits_dataset
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
@@ -148,7 +148,7 @@ def test_stdlib_corpus_and_byte_fallback():
     assert max(byte_tokenize("naïve café", 128)) < 128
     with pytest.raises(ValueError, match="≥ 128 tokens"):
         byte_tokenize("abc", 64)
-    ds = load_text_dataset(block_size=32)
+    ds = load_stdlib_blocks(block_size=32)
     assert ds["train"].num_rows > 1000 and ds["test"].num_rows > 100
     report = analyze_representations(tiny_gpt2(), ds["test"], max_examples=24, batch_size=8)
     assert report.num_positions == 24 * 31

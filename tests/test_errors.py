@@ -5,7 +5,7 @@ import pytest
 
 import hf_dp_repr
 from hf_dp_repr import errors
-from hf_dp_repr.privacy.accounting import Phase, PrivacyLedger
+from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
 
 
 def test_hierarchy_is_exported_and_keeps_the_builtins():
@@ -38,10 +38,10 @@ def test_bad_arguments_raise_dp_config_error():
 
 
 def test_exhausted_budget_is_a_typed_error_not_a_bare_runtime_error():
-    ledger = PrivacyLedger(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
-                           dataset_size=100, poisson_sampling=True,
-                           phases=[Phase("train", noise_multiplier=1.0, sample_rate=0.1, steps=2,
-                                         expected_batch_size=10)])
+    ledger = PrivacyLedger(PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=100, poisson_sampling=True,
+                                       phases=[Phase("train", noise_multiplier=1.0, sample_rate=0.1, steps=2,
+                                                     expected_batch_size=10)]))
     ledger.record_step()
     ledger.record_step()
     with pytest.raises(errors.PrivacyBudgetExhaustedError, match="Privacy budget exhausted: 2 of 2"):

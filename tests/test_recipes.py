@@ -186,7 +186,7 @@ def test_causal_lm_public_private_and_eval_documents_are_disjoint_by_content():
     pub, priv, held = norm(public["text"]), norm(private["text"]), norm(docs["eval"]["text"])
     assert len(set(priv)) == len(priv) and len(set(pub)) == len(pub) and len(set(held)) == len(held)
     assert not set(priv) & set(pub) and not set(priv) & set(held) and not set(pub) & set(held)
-    from hf_dp_repr.analysis.corpus import stdlib_text
+    from hf_dp_repr.data import stdlib_text
 
     raw = {" ".join(p.split()) for p in stdlib_text().split("\n\n") if p.strip()}
     assert set(pub) | set(priv) | set(held) == raw  # every distinct paragraph is still there, once
@@ -223,7 +223,7 @@ def test_image_recipe_on_an_npz_of_rgb_images(tmp_path):
 
 
 def test_stdlib_topics_labels_each_paragraph_with_its_module():
-    from hf_dp_repr.analysis.corpus import stdlib_docstrings
+    from hf_dp_repr.data import stdlib_docstrings
     from hf_dp_repr.data import load_stdlib_topics
 
     data = load_stdlib_topics(min_examples_per_class=50)
@@ -444,11 +444,11 @@ def test_only_the_main_process_logs():
 def test_result_table_states_metrics_and_privacy():
     from hf_dp_repr.scripts import report as recipe_report
 
-    from hf_dp_repr.privacy.accounting import Phase, PrivacyLedger
+    from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
 
-    ledger = PrivacyLedger(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
-                           dataset_size=1006, poisson_sampling=True, phases=[Phase("train", 1.5, 0.1, 30, 100)],
-                           target_epsilon=8.0, world_size=1)
+    ledger = PrivacyLedger(PrivacyPlan(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=1006, poisson_sampling=True,
+                                       phases=[Phase("train", 1.5, 0.1, 30, 100)], target_epsilon=8.0, world_size=1))
     table = recipe_report.result_table({"eval_accuracy": 0.8642, "epsilon": 7.99}, ledger, "test",
                                        {"sample (greedy, DP model)": "'a | b'"})
     assert "| test accuracy" in table and "86.4 %" in table and "7.9900 (target 8)" in table

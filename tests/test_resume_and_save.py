@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel, TrainerCallback, ViTForImageClassification
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments, PrivacyLedger
-from hf_dp_repr.privacy.accounting import Phase
+from hf_dp_repr.privacy.ledger import Phase, PrivacyPlan
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
 PLANNED_STEPS = 6
@@ -66,8 +66,9 @@ def test_resume_refuses_a_changed_plan_and_missing_ledger(digits, tmp_path):
 
 
 def test_ledger_never_goes_past_planned_steps():
-    ledger = PrivacyLedger(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
-                           dataset_size=100, poisson_sampling=True, phases=[Phase("train", 1.0, 0.1, 2, 10)])
+    ledger = PrivacyLedger(PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=100, poisson_sampling=True,
+                                       phases=[Phase("train", 1.0, 0.1, 2, 10)]))
     ledger.record_step()
     ledger.record_step()
     with pytest.raises(RuntimeError, match="budget exhausted"):

@@ -5,12 +5,14 @@
     hf-dp-repr analyze --model sentence-transformers/all-MiniLM-L6-v2 --model out/minilm-topics-eps8 \\
         --dataset stdlib-topics --knn --knn-memory train --out law-text/
 
-Datasets: `digits` (sklearn's digits, offline), `stdlib-docs` (docstrings of the Python standard library,
-offline; see `corpus.py`), `stdlib-topics` (the text recipe's labelled docstring paragraphs, offline), a `.npz` of
-image arrays (as the image recipe reads it), a directory written by `Dataset(Dict).save_to_disk`, or a Hub dataset
-name. Vision data need `pixel_values` (or an `image`/`img` column, preprocessed as in the image recipe: the model's
-image processor, else its family's defaults; `--image-size` etc. override) and `labels`/`label`; text data need `input_ids`
-or a `text` column (tokenised per model), and `labels`/`label` for encoders.
+Datasets: `digits` (sklearn's digits, offline), `stdlib-blocks` (the Python standard library's docstrings as token
+blocks, offline), `stdlib-paragraphs` (the same docstrings, one paragraph per row, tokenised per model; the old name
+`stdlib-docs` means this), `stdlib-topics` (the text recipe's labelled docstring paragraphs, offline; all four from
+`hf_dp_repr.data.load_embedded`), a `.npz` of image arrays (as the image recipe reads it), a directory written
+by `Dataset(Dict).save_to_disk`, or a Hub dataset name. Vision data need `pixel_values` (or an `image`/`img` column,
+preprocessed as in the image recipe: the model's image processor, else its family's defaults; `--image-size` etc.
+override) and `labels`/`label`; text data need `input_ids` or a `text` column (tokenised per model), and
+`labels`/`label` for encoders.
 
 What is measured depends on the model (see `inputs.py`): image models and encoders (BERT, MiniLM) on labelled data:
 separation fuzziness D_l and the label residual PR_l of the [CLS] (or mean-pooled) state; decoder-only causal LMs
@@ -50,7 +52,7 @@ import torch
 
 from .batches import LABELLED
 from .features import POOLINGS, analyze_representations, extract_features
-from .inputs import EMBEDDED_DATASETS, KNN_MEMORY_WARNING, load_model, load_split, num_classes
+from .inputs import EMBEDDED_ALIASES, EMBEDDED_DATASETS, KNN_MEMORY_WARNING, load_model, load_split, num_classes
 from .knn import knn_probe
 from .plots import plot_laws
 
@@ -68,7 +70,9 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--label", action="append", metavar="TEXT",
                    help="legend label per --model, in the same order (default: the model's name)")
     p.add_argument("--dataset", required=True, metavar="NAME_OR_PATH",
-                   help=f"{' | '.join(EMBEDDED_DATASETS)} (offline), a save_to_disk directory, or a Hub name")
+                   help=f"{' | '.join(EMBEDDED_DATASETS)} (offline; "
+                        f"{', '.join(f'{a} = {b}' for a, b in EMBEDDED_ALIASES.items())}), a save_to_disk "
+                        "directory, or a Hub name")
     p.add_argument("--split", default="test", help="split to analyse (default: test)")
     p.add_argument("--max-examples", type=int, default=None, metavar="N", help="analyse at most N rows")
     p.add_argument("--batch-size", type=int, default=64)

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from hf_dp_repr.data import (DIGITS, EMBEDDED_ALIASES, EMBEDDED_DATASETS, STDLIB_BLOCKS,  # noqa: F401  (names for cli)
+                             STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path)
+
 from .batches import LANGUAGE, TEXT, VISION
 from .model_kind import DECODER, ENCODER, ENCODER_DECODER, text_model_kind
 
 logger = logging.getLogger(__name__)
-EMBEDDED_DATASETS = ("digits", "stdlib-docs", "stdlib-topics")
 KNN_MEMORY_WARNING = (
     "--knn uses the {split!r} split as the kNN memory. If a model was trained on it under DP (the recipes' private "
     "set is the training split), the kNN accuracy is computed from private data: a release no privacy accountant "
@@ -31,8 +33,6 @@ KNN_MEMORY_WARNING = (
 def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
     """(model in eval mode, tokenizer or None), with the architecture class recorded in the config, in float32."""
     import transformers
-
-    from hf_dp_repr.data import resolve_model_path
 
     path = resolve_model_path(name)
     config = transformers.AutoConfig.from_pretrained(path)
@@ -51,22 +51,22 @@ def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
 
 def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]:
     """(dataset of model inputs, task) for `args.dataset`'s `split`; the task follows from the data and the model."""
-    if args.dataset == "digits":
-        from hf_dp_repr.data import load_digits_dataset
-
-        return pick(load_digits_dataset(), split), VISION
-    if args.dataset == "stdlib-docs":
+    embedded = embedded_name(args.dataset)
+    if embedded == DIGITS:
+        return pick(load_embedded(embedded), split), VISION
+    if embedded == STDLIB_BLOCKS:
         text_task(name, model, labelled=False, dataset=args.dataset)
-        from .corpus import load_text_dataset
-
         if tokenizer is None:
-            logger.warning("%s has no tokenizer: using the byte-level fallback (see corpus.py)", name)
+            logger.warning("%s has no tokenizer: using the byte-level fallback (see hf_dp_repr/stdlib_corpus.py)", name)
         block = min(args.block_size, getattr(model.config, "max_position_embeddings", None) or args.block_size)
-        return pick(load_text_dataset(tokenizer, vocab_size=model.config.vocab_size, block_size=block), split), LANGUAGE
-    if args.dataset == "stdlib-topics":
-        from hf_dp_repr.data import load_stdlib_topics
-
-        data = pick(load_stdlib_topics(), split)
+        data = load_embedded(embedded, tokenizer=tokenizer, vocab_size=model.config.vocab_size, block_size=block)
+        return pick(data, split), LANGUAGE
+    if embedded is not None:  # text rows (stdlib-paragraphs, stdlib-topics): tokenised per model below
+        if embedded == STDLIB_PARAGRAPHS and tokenizer is None:
+            text_task(name, model, labelled=False, dataset=args.dataset)  # an encoder is refused first, with its fix
+            raise SystemExit(f"error: {name} has no tokenizer for the paragraphs of {args.dataset}; --dataset "
+                             f"{STDLIB_BLOCKS} gives the same text as token blocks, with a byte-level fallback")
+        data = pick(load_embedded(embedded), split)
     elif args.dataset.endswith(".npz"):  # the image recipe's arrays (x_train, y_train, x_test, y_test)
         from hf_dp_repr.image_data import load_npz
 
@@ -120,7 +120,6 @@ def prepare(data, name: str, model, tokenizer, block_size: int, dataset: str, im
     image_col = next((c for c in ("image", "img") if c in data.column_names), None)
     if "pixel_values" in data.column_names or image_col is not None:
         if image_col is not None and "pixel_values" not in data.column_names:
-            from hf_dp_repr.data import resolve_model_path
             from hf_dp_repr.image_data import image_processor_for
 
             processor, how = image_processor_for(resolve_model_path(name), model.config, **(image_options or {}))

@@ -143,7 +143,7 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
     claimed = trainer.ledger.epsilon() if private else float("inf")
     result.update(claimed_epsilon=claimed if np.isfinite(claimed) else None, training_examples=len(data),
                   trainer="DPTrainer" if private else "transformers.Trainer (non-private control)",
-                  noise_multiplier=(trainer.ledger.phases[-1].noise_multiplier if private else None),
+                  noise_multiplier=(trainer.ledger.plan.phases[-1].noise_multiplier if private else None),
                   trainer_obj=trainer)
     return result
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..privacy.accounting import LEDGER_FILE
+from ..privacy.ledger import LEDGER_FILE
 from .mia import MODEL_INPUTS, calibrated_scores, classification_losses, plot_roc, roc_metrics
 
 REPORT_FILE, PLOT_FILE = "privacy_audit.json", "privacy_audit_roc.png"

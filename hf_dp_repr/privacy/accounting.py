@@ -1,4 +1,4 @@
-"""Privacy accounting: σ calibration, ε of a history, and the ledger a run carries.
+"""Privacy accounting: σ calibration and ε of a history (the plan and the ledger of a run: `ledger.py`).
 
 Every ε reported by this library comes from `compute_epsilon`, i.e. from a real accountant run on the history of
 (σ, sample rate, steps) that was actually executed: Opacus' `prv` (default) or `rdp`, or dp_accounting's `pld`
@@ -20,19 +20,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import warnings
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from opacus.accountants import create_accountant
 
-from ..errors import OutOfReachError, PrivacyBudgetExhaustedError  # noqa: F401  (OutOfReachError: importable from here as before)
+from ..errors import OutOfReachError  # noqa: F401  (importable from here as before)
 from ..quiet import RDP_LARGEST_ALPHA
 
-LEDGER_FILE = "privacy_ledger.json"
 # Calibrated σ spends between (1 - tolerance)·ε and ε: tight enough that "exactly the target" holds to 0.1 %.
 RELATIVE_EPSILON_TOLERANCE = 1e-3
 ACCOUNTANTS = ("prv", "rdp", "pld")
@@ -141,158 +137,10 @@ def calibrate_last_phase(
     return high
 
 
-@dataclass
-class Phase:
-    """One stretch of a run with fixed σ, sample rate and expected batch (a linear probe, a fine-tune, ...)."""
-
-    name: str
-    noise_multiplier: float
-    sample_rate: float
-    steps: int
-    expected_batch_size: int
-
-
-@dataclass
-class PrivacyLedger:
-    """What a DP run has spent and how: written into every checkpoint, restored on resume.
-
-    `phases` is the plan (one phase, or a linear probe then a fine-tune); `history` is the accountant's own
-    history [(σ, q, steps), ...] of what was executed; `epsilon()` recomputes ε from it. `neighboring` is the
-    relation ε is stated for; `randomness` says where the noise and the batches came from: "os-entropy" (a
-    secret no one holds) or "seeded" (`noise_seed`: reproducible, and NOT private). `privacy_unit` is what ε
-    protects ("row", or a column such as "document_id": all rows sharing a value); `dataset_size` counts units.
-    """
-
-    accountant: str
-    target_delta: float
-    per_sample_max_grad_norm: float
-    clipping: str
-    dataset_size: int
-    poisson_sampling: bool
-    phases: list[Phase]
-    target_epsilon: float | None = None
-    world_size: int = 1
-    neighboring: str = "add_remove"
-    randomness: str = "os-entropy"
-    privacy_unit: str = "row"  # what one of the `dataset_size` units is: a row, or a column whose rows form a unit
-    history: History = field(default_factory=list)
-
-    @property
-    def planned_steps(self) -> int:
-        return sum(p.steps for p in self.phases)
-
-    @property
-    def steps_done(self) -> int:
-        return sum(t for _, _, t in self.history)
-
-    def phase_index(self, step: int | None = None) -> int:
-        """Index of the phase that step `step` (0-based; default: the next step) belongs to."""
-        step = self.steps_done if step is None else step
-        end = 0
-        for i, phase in enumerate(self.phases):
-            end += phase.steps
-            if step < end:
-                return i
-        return len(self.phases) - 1
-
-    def sample_rate_at(self, step: int) -> float:
-        """Sample rate of the phase that step `step` (0-based) belongs to."""
-        return self.phases[self.phase_index(step)].sample_rate
-
-    @property
-    def phase(self) -> Phase:
-        """The phase of the next step (the last one once the plan is done)."""
-        return self.phases[self.phase_index()]
-
-    # The current phase's parameters, as the optimizer and sampler need them.
-    @property
-    def noise_multiplier(self) -> float:
-        return self.phase.noise_multiplier
-
-    @property
-    def sample_rate(self) -> float:
-        return self.phase.sample_rate
-
-    @property
-    def expected_batch_size(self) -> int:
-        return self.phase.expected_batch_size
-
-    def record_step(self) -> None:
-        """Account for one noisy update; refuses to go past the planned steps (the budget)."""
-        if self.steps_done >= self.planned_steps:
-            raise PrivacyBudgetExhaustedError(
-                f"Privacy budget exhausted: {self.steps_done} of {self.planned_steps} planned DP steps are done. "
-                "Refusing to take another noisy step; plan a longer run (and a new budget) instead."
-            )
-        self.history = _merge(self.history + [(self.noise_multiplier, self.sample_rate, 1)])
-
-    def epsilon(self) -> float:
-        return compute_epsilon(self.history, self.target_delta, self.accountant, self.neighboring)
-
-    def planned_epsilon(self) -> float:
-        return compute_epsilon(self._plan_history(), self.target_delta, self.accountant, self.neighboring)
-
-    def epsilon_by_phase(self) -> dict[str, float]:
-        """ε of each phase's executed steps on its own (their composition is `epsilon()`, not their sum)."""
-        done, out = self.steps_done, {}
-        for i, phase in enumerate(self.phases):
-            start = sum(p.steps for p in self.phases[:i])
-            steps = min(max(done - start, 0), phase.steps)
-            out[phase.name] = compute_epsilon([(phase.noise_multiplier, phase.sample_rate, steps)],
-                                              self.target_delta, self.accountant, self.neighboring)
-        return out
-
-    def _plan_history(self) -> History:
-        return [(p.noise_multiplier, p.sample_rate, p.steps) for p in self.phases]
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["history"] = [list(h) for h in self.history]
-        d["steps_done"] = self.steps_done
-        d["planned_steps"] = self.planned_steps
-        # ε = ∞ (σ = 0) is written as null: bare Infinity is not JSON.
-        d["epsilon"] = _finite_or_none(self.epsilon())
-        if len(self.phases) > 1:
-            d["epsilon_by_phase"] = {k: _finite_or_none(v) for k, v in self.epsilon_by_phase().items()}
-        return d
-
-    def save(self, directory: str) -> str:
-        path = os.path.join(directory, LEDGER_FILE)
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
-        return path
-
-    @classmethod
-    def load(cls, directory: str) -> "PrivacyLedger":
-        """The ledger saved in `directory`; FileNotFoundError if there is none, ValueError naming the file if it
-        cannot be read."""
-        path = os.path.join(directory, LEDGER_FILE)
-        with open(path) as f:
-            text = f.read()
-        try:
-            d = json.loads(text)
-            for derived in ("steps_done", "planned_steps", "epsilon", "epsilon_by_phase"):
-                d.pop(derived, None)
-            d["phases"] = [Phase(**p) for p in d["phases"]]
-            d["history"] = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
-            return cls(**d)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(
-                f"PrivacyLedger: {path} is corrupted ({type(e).__name__}: {e}); the privacy spent up to that "
-                "checkpoint cannot be read, so it cannot be resumed or reported. Resume from an earlier checkpoint "
-                "whose ledger is intact (resume_from_checkpoint='<output_dir>/checkpoint-N'), or start a new run; "
-                "never rewrite a ledger by hand."
-            ) from None
-
-
 def _full_batch(history: History):
     """q = 1 (every example in every batch: no amplification by sampling) is exact in Opacus' accountants, but
     the PRV one evaluates log(1 - q) = -inf on a branch it then discards, with a RuntimeWarning: silence that."""
     return np.errstate(divide="ignore") if any(q == 1 for _, q, _ in history) else contextlib.nullcontext()
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 def _merge(history: History) -> History:
@@ -304,3 +152,12 @@ def _merge(history: History) -> History:
         else:
             out.append((s, q, t))
     return out
+
+
+def __getattr__(name: str):
+    # The plan and ledger classes moved to ledger.py (which imports this module); still importable from here.
+    if name in ("LEDGER_FILE", "Phase", "PrivacyLedger", "PrivacyPlan"):
+        from . import ledger
+
+        return getattr(ledger, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

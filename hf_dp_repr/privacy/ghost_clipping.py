@@ -48,7 +48,6 @@ from opacus.grad_sample import GradSampleModule
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from . import grad_samplers  # noqa: F401  (registers the HF rules into Opacus' registry)
 
 FACTORED = (nn.Linear, Conv1D, nn.Embedding, nn.Conv2d)
 

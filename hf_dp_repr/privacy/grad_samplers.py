@@ -1,5 +1,7 @@
-"""Per-sample gradient rules for Hugging Face modules that Opacus has none for, registered into Opacus'
-own registry (`opacus.grad_sample.register_grad_sampler`) when this module is imported.
+"""Per-sample gradient rules for Hugging Face modules that Opacus has none for, and `register_grad_samplers()`,
+which puts them into Opacus' own registry (`opacus.grad_sample.register_grad_sampler`). It is called once, from
+`hf_dp_repr/privacy/__init__.py`: importing anything of the package registers them, and no module imports this
+one for a side effect.
 
 Without them Opacus falls back to functorch, which re-runs each module per example: correct but slow.
 Each rule receives the module's inputs (`activations`) and the gradient of the loss with respect to its
@@ -16,7 +18,6 @@ from transformers.models.vit.modeling_vit import ViTEmbeddings
 from transformers.pytorch_utils import Conv1D
 
 
-@register_grad_sampler(Conv1D)
 def conv1d_grad_sample(layer: Conv1D, activations: list[torch.Tensor], backprops: torch.Tensor) -> dict:
     """GPT-2's Conv1D is a linear layer y = x·W + b with W stored as (in, out)."""
     x = activations[0]
@@ -28,7 +29,6 @@ def conv1d_grad_sample(layer: Conv1D, activations: list[torch.Tensor], backprops
     return grads
 
 
-@register_grad_sampler(ViTEmbeddings)
 def vit_embeddings_grad_sample(layer: ViTEmbeddings, activations: list[torch.Tensor], backprops: torch.Tensor) -> dict:
     """ViT's bare `cls_token` and `position_embeddings` are added to the output, so their per-sample
     gradients are slices of `backprops`. The patch projection (a Conv2d child) has its own Opacus rule."""
@@ -48,6 +48,17 @@ def vit_embeddings_grad_sample(layer: ViTEmbeddings, activations: list[torch.Ten
     if layer.position_embeddings.requires_grad:
         grads[layer.position_embeddings] = backprops[:, None]
     return grads
+
+
+# Module class → its rule; `register_grad_samplers` installs exactly these.
+HF_GRAD_SAMPLERS = {Conv1D: conv1d_grad_sample, ViTEmbeddings: vit_embeddings_grad_sample}
+
+
+def register_grad_samplers() -> None:
+    """Register `HF_GRAD_SAMPLERS` into Opacus (the hooks and the fast-clipping hooks). Idempotent: each call
+    sets the same registry entries again."""
+    for module_class, rule in HF_GRAD_SAMPLERS.items():
+        register_grad_sampler(module_class)(rule)
 
 
 def batch_position_ids(model, inputs: dict) -> None:

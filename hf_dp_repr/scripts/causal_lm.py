@@ -22,7 +22,8 @@ GPT-2 on wikitext-2 (needs Hub access), pushed with its DP model card:
         --output_dir out/gpt2-eps3
 
 `--model_name_or_path`: Hub name, local folder, or a built-in tiny config (`tiny_gpt2`, `tiny_llama`).
-`--dataset_name`: `stdlib-docs` (embedded), a `save_to_disk` folder, or anything `datasets.load_dataset` takes.
+`--dataset_name`: `stdlib-paragraphs` (embedded: one docstring paragraph per row; its old name `stdlib-docs` still
+works), a `save_to_disk` folder, or anything `datasets.load_dataset` takes.
 Unit of privacy: one document by default (`--privacy_unit document_id`: blocks never cross documents, each
 block remembers its document, and DP-SGD samples, clips and accounts whole documents, see
 `hf_dp_repr.data.document_blocks`); `--privacy_unit block` protects one block of `--block_size` tokens (documents
@@ -38,7 +39,8 @@ from dataclasses import dataclass, field
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.config import check_privacy_unit
-from hf_dp_repr.data import DOCUMENT_ID, document_blocks
+from hf_dp_repr.data import (DOCUMENT_ID, STDLIB_PARAGRAPHS, document_blocks, embedded_name, load_embedded,
+                             unique_documents)
 from hf_dp_repr.model_card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
@@ -47,7 +49,6 @@ from hf_dp_repr.scripts.arguments import (AnalysisArguments, PublicPretrainingAr
                                         ScriptArguments)
 
 logger = logging.getLogger("hf_dp_repr.recipes.lm")
-STDLIB = "stdlib-docs"
 
 
 @dataclass
@@ -56,8 +57,9 @@ class LMArguments(AnalysisArguments, PublicPretrainingArguments, ScriptArguments
 
     model_name_or_path: str = field(default="tiny_gpt2", metadata={
         "help": "Hub name (gpt2), local folder, or built-in tiny config (tiny_gpt2, tiny_llama)."})
-    dataset_name: str = field(default=STDLIB, metadata={
-        "help": "'stdlib-docs' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name."})
+    dataset_name: str = field(default=STDLIB_PARAGRAPHS, metadata={
+        "help": "'stdlib-paragraphs' (embedded, offline; old name 'stdlib-docs'), a save_to_disk folder, or a "
+                "datasets.load_dataset name."})
     tokenizer_name: str | None = field(default=None, metadata={
         "help": "Tokenizer (Hub name or folder); default: the model's. When none can be loaded, a BPE tokenizer is "
                 "trained locally on the PUBLIC text (never on the private text)."})
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         base_model=None if ru.is_tiny(name) else name,
         base_model_description=(f"{name} (built-in tiny config, random init), pre-trained here on the public data"
                                 if ru.is_tiny(name) and public_docs is not None else name),
-        datasets=[margs.dataset_name] if margs.dataset_name != STDLIB else [],
+        datasets=[margs.dataset_name] if embedded_name(margs.dataset_name) is None else [],
         private_data=(f"{len(blocks['private'])} blocks of {'at most ' if by_document else ''}{margs.block_size} "
                       f"tokens from {len(private_docs)} documents of the '{margs.train_split}' split of "
                       f"{margs.dataset_name}; " + ("one document (all its blocks) is one unit of privacy"
@@ -174,14 +176,9 @@ def load_documents(margs: LMArguments):
     `unique_documents`): the public / private split of "train" is then disjoint by content, not only by row."""
     import datasets
 
-    if margs.dataset_name == STDLIB:
-        from hf_dp_repr.analysis.corpus import stdlib_text
-
-        paragraphs = [p for p in stdlib_text().split("\n\n") if p.strip()]
-        n_eval = len(paragraphs) // 10
-        train, evals = unique_documents(paragraphs[:-n_eval], paragraphs[-n_eval:])
-        return {"train": datasets.Dataset.from_dict({"text": train}),
-                "eval": datasets.Dataset.from_dict({"text": evals})}
+    if embedded_name(margs.dataset_name) == STDLIB_PARAGRAPHS:
+        paragraphs = load_embedded(STDLIB_PARAGRAPHS)  # deduplicated across its splits already
+        return {"train": paragraphs["train"], "eval": paragraphs["test"]}
     raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
     out = {}
     splits = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
@@ -191,32 +188,6 @@ def load_documents(margs: LMArguments):
         out[key] = ds.filter(lambda t: bool(t.strip()), input_columns="text")
     keep_train, keep_eval = unique_documents(out["train"]["text"], out["eval"]["text"], indices=True)
     return {"train": out["train"].select(keep_train), "eval": out["eval"].select(keep_eval)}
-
-
-def unique_documents(train: list[str], evals: list[str], indices: bool = False):
-    """Each distinct document (compared with whitespace normalised) once: its first copy in the eval split, else its
-    first copy in the training split. Repeated paragraphs (an inherited docstring, a boilerplate line) would otherwise
-    land on both sides of the public / private split, twice in the private set (one unit of privacy counted twice),
-    or in train and eval. Returns the kept (train, eval) texts, or their indices with `indices=True`."""
-    seen: set[str] = set()
-
-    def keep(texts):
-        out = []
-        for i, text in enumerate(texts):
-            key = " ".join(text.split())
-            if key not in seen:
-                seen.add(key)
-                out.append(i)
-        return out
-
-    keep_eval = keep(evals)
-    keep_train = keep(train)
-    dropped = len(train) - len(keep_train) + len(evals) - len(keep_eval)
-    if dropped:
-        logger.info("%d repeated documents dropped (each distinct text kept once, eval copies first)", dropped)
-    if indices:
-        return keep_train, keep_eval
-    return [train[i] for i in keep_train], [evals[i] for i in keep_eval]
 
 
 def to_blocks(docs, tokenizer, margs: LMArguments):

@@ -25,7 +25,7 @@ def check_before_work(model, train, training_args):
     trainable scope (`--trainable_blocks` against the model's block count), that the model can be trained with DP-SGD,
     and the privacy plan (`plan_run`: logical batch ≤ n, σ calibrated for the target ε) on the `train` (private) set.
 
-    Returns the plan (a `PrivacyLedger`, nothing spent yet). Writes nothing."""
+    Returns the plan (a frozen `PrivacyPlan`). Writes nothing."""
     from hf_dp_repr.plan import plan_run
     from hf_dp_repr.privacy.validation import check_model_is_privatizable
     from hf_dp_repr.scope import phase_scopes

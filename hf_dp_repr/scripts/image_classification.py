@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.data import DIGITS, load_embedded
 from hf_dp_repr.image_data import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
 from hf_dp_repr.model_card import ModelCardInfo
 from hf_dp_repr.scripts import checks
@@ -46,7 +47,6 @@ from hf_dp_repr.scripts.arguments import (AnalysisArguments, ClassificationArgum
                                         PublicPretrainingArguments)
 
 logger = logging.getLogger("hf_dp_repr.recipes.image")
-DIGITS = "digits"
 
 
 @dataclass
@@ -145,9 +145,7 @@ def load_image_data(margs: ImageArguments, seed: int):
     """{"train", "eval"} datasets and the image / label column names."""
 
     if margs.dataset_name == DIGITS:
-        from hf_dp_repr.data import load_digits_dataset
-
-        raw = load_digits_dataset()
+        raw = load_embedded(DIGITS)
     elif margs.dataset_name.endswith(".npz"):
         raw = load_npz(margs.dataset_name, margs.num_labels)
     else:

@@ -42,8 +42,9 @@ class ProgressLines(TrainerCallback):
 
 
 def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = None) -> str:
-    """A short Markdown table: the held-out metrics, ε spent / target, δ, DP steps and σ, private examples."""
-    rows = []
+    """A short Markdown table: the held-out metrics, ε spent / target, δ, DP steps and σ, private examples (from the
+    run's `PrivacyLedger` and its plan)."""
+    rows, plan = [], ledger.plan
     if "eval_accuracy" in metrics:
         rows.append((f"{eval_split} accuracy", f"{100 * metrics['eval_accuracy']:.1f} %"))
     if "eval_perplexity" in metrics:
@@ -51,18 +52,18 @@ def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = No
     if "eval_loss" in metrics:
         rows.append((f"{eval_split} loss", f"{metrics['eval_loss']:.4f}"))
     eps = metrics.get("epsilon")
-    eps_text = (f"∞ (noise_multiplier=0{', no clipping' if ledger.clipping == 'none' else ''}: NOT private)"
+    eps_text = (f"∞ (noise_multiplier=0{', no clipping' if plan.clipping == 'none' else ''}: NOT private)"
                 if eps is None or math.isinf(eps) else f"{eps:.4f}")
-    if ledger.target_epsilon is not None:
-        eps_text += f" (target {ledger.target_epsilon:g})"
+    if plan.target_epsilon is not None:
+        eps_text += f" (target {plan.target_epsilon:g})"
     rows.append(("ε spent", eps_text))
-    rows.append(("δ", f"{ledger.target_delta:g}"))
-    sigmas = ", ".join(f"{p.noise_multiplier:.3f}" for p in ledger.phases)
-    rows.append(("DP steps", f"{ledger.steps_done} of {ledger.planned_steps} (σ = {sigmas}, "
-                             f"q = {ledger.phases[-1].sample_rate:.4f}, accountant {ledger.accountant})"))
-    unit = getattr(ledger, "privacy_unit", "row")
-    rows.append(("private examples", f"{ledger.dataset_size}") if unit == "row" else
-                ("private units", f"{ledger.dataset_size} (a unit: all rows sharing a {unit})"))
+    rows.append(("δ", f"{plan.target_delta:g}"))
+    sigmas = ", ".join(f"{p.noise_multiplier:.3f}" for p in plan.phases)
+    rows.append(("DP steps", f"{ledger.steps_done} of {plan.planned_steps} (σ = {sigmas}, "
+                             f"q = {plan.phases[-1].sample_rate:.4f}, accountant {plan.accountant})"))
+    unit = plan.privacy_unit
+    rows.append(("private examples", f"{plan.dataset_size}") if unit == "row" else
+                ("private units", f"{plan.dataset_size} (a unit: all rows sharing a {unit})"))
     rows += list((extra or {}).items())
     width = max(len(k) for k, _ in rows)
     return "\n".join(["| result | value |", "|---|---|"]

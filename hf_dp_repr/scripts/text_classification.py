@@ -38,15 +38,14 @@ import os
 from dataclasses import dataclass, field
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_path
 from hf_dp_repr.model_card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import ClassificationArguments
-from hf_dp_repr.data import MINILM, resolve_model_path  # noqa: F401  (shared with `hf-dp-repr analyze`)
 
 logger = logging.getLogger("hf_dp_repr.recipes.text")
-STDLIB_TOPICS = "stdlib-topics"
 
 
 @dataclass
@@ -116,9 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
 def load_text_data(margs: TextArguments):
     """(train, eval, text column, label column)."""
     if margs.dataset_name == STDLIB_TOPICS:
-        from hf_dp_repr.data import load_stdlib_topics
-
-        raw = load_stdlib_topics()
+        raw = load_embedded(STDLIB_TOPICS)
     else:
         raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
     train, evals = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)

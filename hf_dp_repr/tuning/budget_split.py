@@ -74,7 +74,7 @@ def sweep_budget_split(model_init, base_args, train_dataset, eval_dataset, fract
         history += led.history
         rows.append({"lp_steps": steps, "lp_epsilon_fraction": fraction, "accuracy": metrics["eval_accuracy"],
                      "epsilon": led.epsilon(), **{f"epsilon_{k}": v for k, v in led.epsilon_by_phase().items()},
-                     "sigma": " / ".join(f"{p.noise_multiplier:.4f}" for p in led.phases)})
+                     "sigma": " / ".join(f"{p.noise_multiplier:.4f}" for p in led.plan.phases)})
     best = max(rows, key=lambda r: r["accuracy"])
     composed = compute_epsilon(history, base_args.target_delta, base_args.accountant, base_args.neighboring)
     return BudgetSplitResult(rows, best, composed)

@@ -136,13 +136,13 @@ class DPSearch:
         """After a trial's train(): its planned and spent ε, σ and schedule."""
         if not self.records or trainer.ledger is None:
             return
-        led = trainer.ledger
+        led, plan = trainer.ledger, trainer.ledger.plan
         self.records[-1].update(
-            state=state, epsilon_planned=led.planned_epsilon(), epsilon_spent=led.epsilon(),
-            sigma=" / ".join(f"{p.noise_multiplier:.4f}" for p in led.phases),
-            sample_rate=" / ".join(f"{p.sample_rate:.4f}" for p in led.phases),
-            steps=" / ".join(str(p.steps) for p in led.phases), scope=trainer.describe_scope(),
-            epsilon_trial_rdp=single_run_epsilon(rdp_curve(led.history), led.target_delta))
+            state=state, epsilon_planned=plan.planned_epsilon(), epsilon_spent=led.epsilon(),
+            sigma=" / ".join(f"{p.noise_multiplier:.4f}" for p in plan.phases),
+            sample_rate=" / ".join(f"{p.sample_rate:.4f}" for p in plan.phases),
+            steps=" / ".join(str(p.steps) for p in plan.phases), scope=trainer.describe_scope(),
+            epsilon_trial_rdp=single_run_epsilon(rdp_curve(led.history), plan.target_delta))
 
     # ---- the whole search -----------------------------------------------------------------------------
     def worst_curve(self, dataset_size: int):

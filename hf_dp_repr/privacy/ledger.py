@@ -1,0 +1,235 @@
+"""The plan of a DP run and its ledger, kept apart as Opacus keeps an accountant's configuration apart from its state.
+
+- `PrivacyPlan` (frozen): what the run will do, fixed before its first step: the phases (σ, sample rate q, steps,
+  expected batch), the accountant, δ, the target ε, C, the clipping, n, the neighbouring relation, where the
+  randomness comes from, the unit of privacy and the number of processes. `plan.planned_epsilon()` is ε at its end.
+- `PrivacyLedger(plan, steps_done)`: how far the run has got. `record_step()` accounts one noisy update (and
+  refuses one past the plan), `epsilon()` is ε spent so far, `save(dir)`/`load(dir)` write and read
+  `privacy_ledger.json`, the file every checkpoint carries (its format is unchanged by this split).
+
+Example:
+    >>> plan = PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
+    ...                    dataset_size=100, poisson_sampling=True, phases=[Phase("train", 1.0, 0.1, 3, 10)])
+    >>> ledger = PrivacyLedger(plan)
+    >>> ledger.record_step(); ledger.record_step()
+    >>> ledger.steps_done, ledger.history, ledger.epsilon() < plan.planned_epsilon()
+    (2, [(1.0, 0.1, 2)], True)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from ..errors import PrivacyBudgetExhaustedError
+from .accounting import History, _merge, compute_epsilon
+
+LEDGER_FILE = "privacy_ledger.json"
+# Keys of the ledger file computed from the plan and the position; read back only to be checked.
+_DERIVED = ("history", "steps_done", "planned_steps", "epsilon", "epsilon_by_phase")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stretch of a run with fixed σ, sample rate and expected batch (a linear probe, a fine-tune, ...)."""
+
+    name: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    expected_batch_size: int
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """What a DP run will do, fixed before its first step (see the module docstring); compared field by field with
+    a checkpoint's plan on resume (`hf_dp_repr.plan.RESUME_INVARIANTS`).
+
+    `neighboring` is the relation ε is stated for; `randomness` says where the noise and the batches come from:
+    "os-entropy" (a secret no one holds) or "seeded" (`noise_seed`: reproducible, and NOT private).
+    `privacy_unit` is what ε protects ("row", or a column such as "document_id": all rows sharing a value);
+    `dataset_size` counts units.
+    """
+
+    accountant: str
+    target_delta: float
+    per_sample_max_grad_norm: float
+    clipping: str
+    dataset_size: int
+    poisson_sampling: bool
+    phases: tuple[Phase, ...]
+    target_epsilon: float | None = None
+    world_size: int = 1
+    neighboring: str = "add_remove"
+    randomness: str = "os-entropy"
+    privacy_unit: str = "row"
+
+    def __post_init__(self):
+        object.__setattr__(self, "phases", tuple(self.phases))  # a list passed in cannot change the plan later
+
+    @property
+    def planned_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    def phase_index(self, step: int) -> int:
+        """Index of the phase that step `step` (0-based) belongs to (the last one past the end)."""
+        end = 0
+        for i, phase in enumerate(self.phases):
+            end += phase.steps
+            if step < end:
+                return i
+        return len(self.phases) - 1
+
+    def sample_rate_at(self, step: int) -> float:
+        """Sample rate of the phase that step `step` (0-based) belongs to (what the Poisson sampler asks)."""
+        return self.phases[self.phase_index(step)].sample_rate
+
+    def history(self, steps: int | None = None) -> History:
+        """The accountant's history [(σ, q, steps), ...] of the first `steps` steps (default: all of the plan)."""
+        left = self.planned_steps if steps is None else steps
+        out = []
+        for p in self.phases:
+            out.append((p.noise_multiplier, p.sample_rate, min(left, p.steps)))
+            left -= out[-1][2]
+        return _merge([h for h in out if h[2] > 0])
+
+    def epsilon(self, steps: int | None = None) -> float:
+        """ε of the first `steps` steps (default: the whole plan), by the plan's accountant."""
+        return compute_epsilon(self.history(steps), self.target_delta, self.accountant, self.neighboring)
+
+    def planned_epsilon(self) -> float:
+        return self.epsilon()
+
+    def epsilon_by_phase(self, steps: int) -> dict[str, float]:
+        """ε of each phase's part of the first `steps` steps on its own (their composition is `epsilon(steps)`,
+        not their sum)."""
+        out, start = {}, 0
+        for phase in self.phases:
+            done = min(max(steps - start, 0), phase.steps)
+            out[phase.name] = compute_epsilon([(phase.noise_multiplier, phase.sample_rate, done)],
+                                              self.target_delta, self.accountant, self.neighboring)
+            start += phase.steps
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["phases"] = [asdict(p) for p in self.phases]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrivacyPlan":
+        """The plan of a `to_dict()` (or of a ledger file's plan keys); older files lack the fields with defaults."""
+        return cls(**{**d, "phases": tuple(Phase(**p) for p in d["phases"])})
+
+
+@dataclass(slots=True)
+class PrivacyLedger:
+    """A run's plan and its position in it: what it has spent. Written into every checkpoint, restored on resume.
+
+    The plan's fields read through the ledger (`ledger.phases`, `ledger.target_delta`, `ledger.planned_epsilon()`,
+    ...) as they did when the plan and the ledger were one object; the ledger itself only counts steps.
+    """
+
+    plan: PrivacyPlan
+    steps_done: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.steps_done <= self.plan.planned_steps:
+            raise ValueError(f"PrivacyLedger: steps_done={self.steps_done} is outside the plan's "
+                             f"0..{self.plan.planned_steps} steps.")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "plan":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.plan, name)
+
+    @property
+    def history(self) -> History:
+        """The accountant's history [(σ, q, steps), ...] of the steps taken."""
+        return self.plan.history(self.steps_done)
+
+    def phase_index(self, step: int | None = None) -> int:
+        """Index of the phase that step `step` (0-based; default: the next step) belongs to."""
+        return self.plan.phase_index(self.steps_done if step is None else step)
+
+    @property
+    def phase(self) -> Phase:
+        """The phase of the next step (the last one once the plan is done)."""
+        return self.plan.phases[self.phase_index()]
+
+    # The current phase's parameters, as the optimizer and sampler need them.
+    @property
+    def noise_multiplier(self) -> float:
+        return self.phase.noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        return self.phase.sample_rate
+
+    @property
+    def expected_batch_size(self) -> int:
+        return self.phase.expected_batch_size
+
+    def record_step(self) -> None:
+        """Account for one noisy update; refuses to go past the planned steps (the budget)."""
+        if self.steps_done >= self.plan.planned_steps:
+            raise PrivacyBudgetExhaustedError(
+                f"Privacy budget exhausted: {self.steps_done} of {self.plan.planned_steps} planned DP steps are done. "
+                "Refusing to take another noisy step; plan a longer run (and a new budget) instead."
+            )
+        self.steps_done += 1
+
+    def epsilon(self) -> float:
+        """ε spent by the steps taken."""
+        return self.plan.epsilon(self.steps_done)
+
+    def epsilon_by_phase(self) -> dict[str, float]:
+        return self.plan.epsilon_by_phase(self.steps_done)
+
+    def to_dict(self) -> dict:
+        """The ledger file's content: the plan's fields, then the history, the position and ε."""
+        d = self.plan.to_dict()
+        d["history"] = [list(h) for h in self.history]
+        d["steps_done"] = self.steps_done
+        d["planned_steps"] = self.plan.planned_steps
+        # ε = ∞ (σ = 0) is written as null: bare Infinity is not JSON.
+        d["epsilon"] = _finite_or_none(self.epsilon())
+        if len(self.plan.phases) > 1:
+            d["epsilon_by_phase"] = {k: _finite_or_none(v) for k, v in self.epsilon_by_phase().items()}
+        return d
+
+    def save(self, directory: str) -> str:
+        path = os.path.join(directory, LEDGER_FILE)
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
+        return path
+
+    @classmethod
+    def load(cls, directory: str) -> "PrivacyLedger":
+        """The ledger saved in `directory`; FileNotFoundError if there is none, ValueError naming the file if it
+        cannot be read or its history is not the one its plan gives."""
+        path = os.path.join(directory, LEDGER_FILE)
+        with open(path) as f:
+            text = f.read()
+        try:
+            d = json.loads(text)
+            history = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
+            plan = PrivacyPlan.from_dict({k: v for k, v in d.items() if k not in _DERIVED})
+            ledger = cls(plan, sum(t for _, _, t in history))
+            if ledger.history != history:
+                raise ValueError(f"its history {history} is not the plan's first {ledger.steps_done} steps "
+                                 f"{ledger.history}")
+            return ledger
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(
+                f"PrivacyLedger: {path} is corrupted ({type(e).__name__}: {e}); the privacy spent up to that "
+                "checkpoint cannot be read, so it cannot be resumed or reported. Resume from an earlier checkpoint "
+                "whose ledger is intact (resume_from_checkpoint='<output_dir>/checkpoint-N'), or start a new run; "
+                "never rewrite a ledger by hand."
+            ) from None
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
