@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 
 from .config_checks import check_privacy_unit, validate_cache_fields, validate_lp_fields
 from .errors import DPConfigError
+from .head_init import HEAD_INITS, check_head_init
 from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from .privacy.optimizer import CLIPPING_MODES
 
@@ -131,6 +132,12 @@ class DPTrainingArguments(TrainingArguments):
     lp_learning_rate: float | None = field(
         default=None,
         metadata={"help": "Constant learning rate of the linear-probing phase (default: learning_rate)."},
+    )
+    head_init: str = field(
+        default="default",
+        metadata={"help": "How the task head starts: 'default' (the model's own initialisation) or 'zeros' (the head's "
+                  "output layer, weight and bias, set to zero before training; known to help under DP). Uses no "
+                  "data.", "choices": HEAD_INITS},
     )
     cache_features: bool | None = field(
         default=None,
@@ -260,6 +267,7 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         check_accountant(args.accountant, args.neighboring)
     except ValueError as err:
         raise DPConfigError(f"DPTrainingArguments: {err}") from None
+    check_head_init(args.head_init)
     if args.clipping_engine not in CLIPPING_ENGINES:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping_engine {args.clipping_engine!r}; use one of "
                             f"{CLIPPING_ENGINES}.")

@@ -37,6 +37,7 @@ from transformers.utils import logging
 
 from .cached_head import set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
+from .head_init import init_head
 from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
@@ -99,6 +100,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             check_peft_model(model)
         if model is not None:
             check_model_is_privatizable(model)
+            init_head(model, args.head_init)
         self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack,
                                      args.trainable_groups)
                         if model is not None else [])
@@ -123,6 +125,14 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
             if hasattr(cb, "attach"):
                 cb.attach(self)
+
+    def call_model_init(self, trial=None):
+        """The Trainer's, then `args.head_init` applied to the fresh model. During a hyperparameter search the
+        trial's arguments are set after the model is made, so `_hp_search_setup` applies the trial's head_init."""
+        model = super().call_model_init(trial)
+        if getattr(self, "hp_search_backend", None) is None:
+            init_head(model, self.args.head_init)
+        return model
 
     # ---- the privacy plan -------------------------------------------------------------------------
     def _read_units(self, dataset, args) -> int | None:

@@ -3,6 +3,7 @@ search itself is `hf_dp_repr.tuning.search`)."""
 
 from __future__ import annotations
 
+from .head_init import init_head
 from .privacy.validation import check_model_is_privatizable
 from .scope import phase_scopes
 
@@ -30,6 +31,7 @@ class DPSearchMixin:
         super()._hp_search_setup(trial)
         if self.model_init is not None:  # a fresh model (and maybe a new scope): what trains is decided again
             check_model_is_privatizable(self.model)
+            init_head(self.model, self.args.head_init)  # the trial's (call_model_init ran before its arguments)
             self._scopes = phase_scopes(self.model, self.args.trainable_blocks, self.args.lp_steps,
                                         self.args.block_stack, self.args.trainable_groups)
             if self._scopes:

@@ -21,7 +21,8 @@ Two modes (`tuning_data`):
   `eval_dataset` outside DP-SGD: the theorem covers it only if that data is public, so the caller must state
   `eval_data_public=True`.
 
-Writes `hp_search_trials.csv` and `hp_search_trials.png` into `args.output_dir`.
+Writes `hp_search_trials.csv` (each trial's hyperparameters: what `hp_space` set and anything else the trial drew,
+e.g. in `model_init(trial)`) and `hp_search_trials.png` into `args.output_dir`.
 """
 
 from __future__ import annotations
@@ -302,7 +303,12 @@ def _write_table(output_dir: str, search: DPSearch, study, best_trial, total: fl
     os.makedirs(output_dir, exist_ok=True)
     private = search.tuning_data == "private"
     trials = {t.number: t for t in study.trials}
-    keys = sorted({k for r in search.records for k in r["params"]})
+
+    def drawn(r) -> dict:  # what hp_space set, and what else the trial drew (e.g. in model_init(trial))
+        t = trials.get(r["trial"])
+        return {**(t.params if t is not None else {}), **r["params"]}
+
+    keys = sorted({k for r in search.records for k in drawn(r)})
     rows = []
     for r in search.records:
         t = trials.get(r["trial"])
@@ -310,7 +316,7 @@ def _write_table(output_dir: str, search: DPSearch, study, best_trial, total: fl
             continue  # the number of trials K must stay secret: only the best trial's row leaves
         shown = True
         rows.append({"trial": "best" if private else r["trial"], "state": t.state.name if t else r.get("state"),
-                     **{k: r["params"].get(k, "") for k in keys},
+                     **{k: drawn(r).get(k, "") for k in keys},
                      "scope": r.get("scope", ""), "sigma": r.get("sigma", ""), "sample_rate": r.get("sample_rate", ""),
                      "steps": r.get("steps", ""), "epsilon_planned": r.get("epsilon_planned", ""),
                      "epsilon_spent": r.get("epsilon_spent", ""), "epsilon_trial_rdp": r.get("epsilon_trial_rdp", ""),
