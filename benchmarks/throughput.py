@@ -5,7 +5,8 @@ other: the non-private `transformers.Trainer`, `DPTrainer` with `clipping_engine
 Opacus as a user would write it (`PrivacyEngine.make_private`, per-sample gradient hooks, a plain loop).
 Each run takes `--warmup` steps (not measured), then `--steps` measured steps, and the set of runs is repeated
 `--rounds` times, interleaved; the table gives the median samples/s over all measured steps, the peak memory
-and each run's ratio to the non-private Trainer.
+and each run's ratio to the non-private Trainer, with the range of that ratio over the rounds (each round's median
+step against the same round's non-private one): on a shared machine a single ratio can be off by 15 %.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above the memory held before the run. On CPU (torch has no
 allocator statistics there), each run is repeated alone in a fresh process (one warm-up and one step) with
@@ -238,13 +239,16 @@ def benchmark(name: str) -> list[tuple]:
     print(f"\n{name}: {params / 1e6:.2f}M parameters, batch {batch}, {ARGS.rounds} × {ARGS.steps} measured steps "
           f"after {ARGS.warmup} warm-up each, device {ARGS.device}, {torch.get_num_threads()} threads", flush=True)
     times = {label: [] for label in RUNS}
+    per_round = {label: [] for label in RUNS}  # each round's median step time: the spread of the ratios
     peaks = {label: 0 for label in RUNS}
     cuda = ARGS.device == "cuda"  # on CPU the memory runs are separate (no sampling thread in the timed runs)
     for _ in range(ARGS.rounds):  # interleaved rounds: a load change on a shared machine hits every run alike
         for label, (runner, engine) in RUNS.items():
             memory = PeakMemory(ARGS.device) if cuda else contextlib.nullcontext()
             with memory, contextlib.redirect_stdout(io.StringIO()):  # Trainer metrics
-                times[label] += runner(make_model, data, batch, engine)
+                steps = runner(make_model, data, batch, engine)
+            times[label] += steps
+            per_round[label].append(statistics.median(steps))
             if cuda:
                 peaks[label] = max(peaks[label], memory.peak)
     if not cuda:
@@ -252,11 +256,14 @@ def benchmark(name: str) -> list[tuple]:
     rows = [(label, batch / statistics.median(times[label]), peaks[label] / 2**20) for label in RUNS]
     base_speed, base_memory = rows[0][1], rows[0][2]
     hooks_speed = rows[-1][1]
-    print(f"| {'run':<22} | samples/s | × non-private | × Opacus hooks | peak MiB | × non-private |")
-    print("|" + "|".join("-" * w for w in (24, 11, 15, 16, 10, 15)) + "|")
+    base = per_round[rows[0][0]]
+    spread = {label: [b / t for b, t in zip(base, per_round[label])] for label in RUNS}  # speed ratio per round
+    print(f"| {'run':<22} | samples/s | × non-private | per round   | × Opacus hooks | peak MiB | × non-private |")
+    print("|" + "|".join("-" * w for w in (24, 11, 15, 13, 16, 10, 15)) + "|")
     for label, speed, memory in rows:
-        print(f"| {label:<22} | {speed:9.1f} | {speed / base_speed:13.2f} | {speed / hooks_speed:14.2f} | "
-              f"{memory:8.0f} | {memory / max(base_memory, 1e-9):13.2f} |", flush=True)
+        low, high = min(spread[label]), max(spread[label])
+        print(f"| {label:<22} | {speed:9.1f} | {speed / base_speed:13.2f} | {low:4.2f} – {high:4.2f} | "
+              f"{speed / hooks_speed:14.2f} | {memory:8.0f} | {memory / max(base_memory, 1e-9):13.2f} |", flush=True)
     return rows
 
 
