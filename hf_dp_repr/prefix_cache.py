@@ -23,7 +23,7 @@ Used only when it gives the same updates (else the uncached path, with the reaso
 The cache holds features of private data: it lives in this process (and that temporary folder) only, is no module
 buffer (so in no state_dict, checkpoint or push), and is reused for evaluation and across `train()` calls of the
 same process, keyed by (frozen weights, dataset, cut point), so a sweep pays the feature pass once.
-`clear_feature_cache()` frees it.
+`feature_store.clear_feature_cache()` frees it.
 
 Example:
     >>> import torch
@@ -50,8 +50,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from .feature_store import (_FOLDERS, _STORE, CacheEntry, NotCacheable, clear_feature_cache,  # noqa: F401 (re-exported)
-                            data_reason_not_to_cache, dataset_key, lookup, store, weights_digest)
+from .feature_store import (CacheEntry, NotCacheable, data_reason_not_to_cache, dataset_key, lookup, store,
+                            weights_digest)
 from .scope import _modules_after, find_block_stack
 
 STATES_KEY = "_dp_prefix_states"  # the batch key of the cached states; popped before the model sees the batch

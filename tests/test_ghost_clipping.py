@@ -99,7 +99,7 @@ def test_ghost_layers_hold_no_per_example_gradient():
     engine.squared_norms()
     materialised = {p for p in engine.explicit if p.dim() >= 2}
     assert not materialised  # Conv1D weights (64×192 ...) and the tied 128×64 embedding are ghost-normed
-    pieces = engine._collect()
+    pieces = engine._pieces
     weight = model.transformer.h[0].attn.c_attn.weight
     assert all(t.numel() < B * weight.numel() for _, *data in pieces[weight] for t in data if torch.is_tensor(t))
 
@@ -204,9 +204,9 @@ def test_small_tensors_are_formed_in_the_backward_and_their_inputs_freed():
     with engine.recording():
         model(torch.randn(B, 7, 32)).pow(2).sum().backward()
     ln = model[1]
-    assert [tuple(t.shape) for _, t in engine._collect()[ln.weight]] == [(B, 32)]
+    assert [tuple(t.shape) for _, t in engine._pieces[ln.weight]] == [(B, 32)]
     assert seen[0]() is None  # the LayerNorm's input is gone
-    big = [p for p in (model[0].weight, model[2].weight) if engine._collect()[p][0][0] == "factors"]
+    big = [p for p in (model[0].weight, model[2].weight) if engine._pieces[p][0][0] == "factors"]
     assert big == [model[0].weight]  # 32·3 ≤ 7·(32+3) < 32·32: the last layer's per-example gradient was formed at once
     assert set(engine.squared_norms()) == set(model.parameters())
 

@@ -11,7 +11,7 @@ from transformers.utils import logging
 from utils import HubCapture, make_token_classification_dataset, make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.prefix_cache import _FOLDERS, _STORE, clear_feature_cache
+from hf_dp_repr.feature_store import _FOLDERS, _STORE, clear_feature_cache
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_vit
 
 # 3-4 blocks, so that k = 1 and 2 leave a frozen prefix. GPT-2 is a causal LM on right-padded rows (padding mask,

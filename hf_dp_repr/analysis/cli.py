@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
+from ..data import EMBEDDED_ALIASES, EMBEDDED_DATASETS
 from .batches import LABELLED
 from .features import POOLINGS, analyze_representations, extract_features
-from .inputs import EMBEDDED_ALIASES, EMBEDDED_DATASETS, KNN_MEMORY_WARNING, load_model, load_split, num_classes
+from .inputs import KNN_MEMORY_WARNING, load_model, load_split, num_classes
 from .knn import knn_probe
 from .plots import plot_laws
 

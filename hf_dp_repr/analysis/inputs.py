@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from hf_dp_repr.data import (DIGITS, EMBEDDED_ALIASES, EMBEDDED_DATASETS, STDLIB_BLOCKS,  # noqa: F401  (names for cli)
-                             STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path)
+from hf_dp_repr.data import DIGITS, STDLIB_BLOCKS, STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path
 
 from .batches import LANGUAGE, TEXT, VISION
 from .model_kind import DECODER, ENCODER, ENCODER_DECODER, text_model_kind

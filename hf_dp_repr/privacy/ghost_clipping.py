@@ -272,16 +272,13 @@ class GhostClippingEngine:
                 kind, data = "explicit", [_materialise(*data)]
             self._pieces.setdefault(p, []).append((kind, *data))
 
-    def _collect(self) -> dict[nn.Parameter, list]:
-        return self._pieces
-
     def has_gradients(self) -> bool:
         return bool(self._pieces)
 
     def squared_norms(self) -> dict[nn.Parameter, torch.Tensor]:
         """Per-example squared gradient norm of every trained tensor that got a gradient, float32 (B,)."""
         norms, grams = {}, {}
-        for p, pieces in self._collect().items():
+        for p, pieces in self._pieces.items():
             factored = [x for x in pieces if x[0] == "factors"]
             explicit = [x[1].reshape(len(x[1]), -1) for x in pieces if x[0] == "explicit"]
             if factored and explicit:  # a tensor with uses of both kinds: one per-example gradient
@@ -315,7 +312,7 @@ class GhostClippingEngine:
     def clipped_sums(self, factors: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i factors[p]_i · G_i(p) for every tensor of `squared_norms()`, in float32 and p's shape."""
         sums = {}
-        for p, pieces in self._collect().items():
+        for p, pieces in self._pieces.items():
             c = _f32(factors[p])
             total = 0
             for kind, *data in pieces:
