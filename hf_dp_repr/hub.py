@@ -182,12 +182,20 @@ def check_hub_access(repo_id: str, token: str | None = None) -> str:
 def upload_run(folder: str | os.PathLike, repo_id: str, *, commit_message: str, revision: str | None = None,
                token: str | None = None, run_as_future: bool = False):
     """Upload the allow-listed top-level files of `folder` to the existing repository `repo_id` (every push ends
-    here). Refuses (nothing sent) a folder that `check_pushable` refuses."""
+    here), on branch `revision` (created from main if missing). Refuses (nothing sent) a folder that
+    `check_pushable` refuses."""
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import RevisionNotFoundError
 
     check_pushable(folder)
+    api = HfApi(token=token)
     with explained_hub_errors(f"push to {repo_id}"):
-        return HfApi(token=token).upload_folder(
+        if revision is not None:  # the Hub refuses a commit to a missing branch; `hf upload --revision` creates it too
+            try:
+                api.repo_info(repo_id, revision=revision)
+            except RevisionNotFoundError:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+        return api.upload_folder(
             repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision,
             allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS, run_as_future=run_as_future)
 

@@ -84,8 +84,10 @@ class DPSavingMixin:
         if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
             return
         check_hub_strategy(self.args)
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
-            return
+        if self.push_in_progress is not None and not self.push_in_progress.is_done():
+            if not self.args.hub_always_push:
+                return
+            self.push_in_progress.wait_until_done()  # it may still read the files about to be overwritten below
         from .hub import files_to_push, upload_run
 
         self.callback_handler.on_push_begin(self.args, self.state, self.control)

@@ -27,6 +27,38 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
+def hub_server():
+    from hub_server import LocalHub
+
+    server = LocalHub().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hub(hub_server, monkeypatch, tmp_path_factory):
+    """The local Hub (tests/hub_server.py), empty, with the real huggingface_hub / transformers clients pointed at it
+    for this test only: online, Xet off (every upload a regular one), a fresh download cache, logged in as `someone`
+    with a write token (`monkeypatch.setenv("HF_TOKEN", ...)` to change who). Every other test stays offline."""
+    from huggingface_hub import constants, hf_api
+    from transformers.utils import hub as transformers_hub
+
+    hub_server.reset()
+    home = tmp_path_factory.mktemp("hf_home")
+    for name, value in [("ENDPOINT", hub_server.url), ("HF_HUB_OFFLINE", False), ("HF_HUB_DISABLE_XET", True),
+                        ("HF_HUB_DISABLE_TELEMETRY", True), ("HF_HUB_CACHE", str(home / "hub")),
+                        ("HF_TOKEN_PATH", str(home / "token")), ("HF_STORED_TOKENS_PATH", str(home / "stored_tokens")),
+                        ("HUGGINGFACE_CO_URL_TEMPLATE", hub_server.url + "/{repo_id}/resolve/{revision}/{filename}")]:
+        monkeypatch.setattr(constants, name, value)  # read by the client at call time
+    monkeypatch.setattr(hf_api.api, "endpoint", hub_server.url)  # instances made at import time
+    monkeypatch.setattr(transformers_hub, "_hf_api", None)
+    monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_write_someone")
+    yield hub_server
+    assert not hub_server.unknown, f"requests the test Hub does not serve: {hub_server.unknown}"
+
+
+@pytest.fixture(scope="session")
 def digits():
     from hf_dp_repr.data import load_digits_dataset
 

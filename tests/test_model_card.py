@@ -5,7 +5,6 @@ import math
 
 import pytest
 from huggingface_hub import ModelCard
-from utils import HubCapture
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import load_digits_dataset
@@ -192,44 +191,43 @@ def test_card_refreshed_from_the_folder_alone_keeps_what_the_caller_said(trained
         refresh_model_card(folder)
 
 
-def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, monkeypatch, capsys, tmp_path):
+def test_push_sends_weights_metrics_laws_ledger_and_card_only(trained, hub, capsys):
     trainer, out = trained
     _law_file(out)
     (out / "representation_law.png").write_bytes(b"png")
-    secret = "hf_SECRETtokenNEVERwritten123"
-    monkeypatch.setenv("HF_TOKEN", secret)
-    hub = HubCapture(monkeypatch)
+    token = b"hf_write_someone"  # the HF_TOKEN the push uses (the hub fixture's)
     trainer.args.hub_model_id = "someone/dp-digits"
     card_before = (out / "README.md").read_bytes()
     with pytest.raises(ValueError, match="all_results.json holds train_loss, computed on the private data"):
         push_dp_model(trainer)  # an all_results.json not written by DPTrainer.save_metrics
-    assert hub.repos == [] and hub.commits == [] and (out / "README.md").read_bytes() == card_before
+    assert hub.repos == {} and (out / "README.md").read_bytes() == card_before
     (out / "all_results.json").write_text(json.dumps({"eval_accuracy": 0.9123, "eval_runtime": 1.5, "epsilon": 2.5}))
     push_dp_model(trainer)
-    assert hub.repos == [("someone/dp-digits", trainer.args.hub_private_repo)]
-    assert hub.validated and "differential-privacy" in hub.validated[0]
-    assert hub.commits == [["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json",
-                            "representation_law.json", "representation_law.png"]]
-    card = ModelCard(hub.files["README.md"].decode())
+    assert not hub.repos["someone/dp-digits"].private and hub.calls("POST", "/api/validate-yaml")
+    assert hub.pushes("someone/dp-digits") == [["README.md", "all_results.json", "config.json", "model.safetensors",
+                                                "privacy_ledger.json", "representation_law.json",
+                                                "representation_law.png"]]
+    card = ModelCard.load("someone/dp-digits")  # from the Hub
     assert "differential-privacy" in card.data.tags and "| eval_accuracy | 0.9123 |" in card.text
-    assert json.loads(hub.files["privacy_ledger.json"])["steps_done"] == 3
+    assert json.loads(hub.repos["someone/dp-digits"].files["privacy_ledger.json"])["steps_done"] == 3
     printed = capsys.readouterr()
-    assert secret not in printed.out + printed.err
+    assert token.decode() not in printed.out + printed.err
     for path in out.rglob("*"):
         if path.is_file():
-            assert secret.encode() not in path.read_bytes(), path
+            assert token not in path.read_bytes(), path
+    assert not [name for name, data in hub.repos["someone/dp-digits"].files.items() if token in data]
 
 
-def test_trainer_push_to_hub_sends_the_dp_card_through_the_allow_list(trained, monkeypatch):
+def test_trainer_push_to_hub_sends_the_dp_card_through_the_allow_list(trained, hub):
     trainer, out = trained
-    hub = HubCapture(monkeypatch)
     trainer.args.hub_model_id = "someone/dp-digits-2"
     trainer.create_model_card(model_name="x")  # the Trainer's generic card must not replace the DP card
     assert "differential-privacy" in ModelCard.load(out / "README.md").data.tags
     trainer.push_to_hub(commit_message="test push")
-    assert hub.repos[-1][0] == "someone/dp-digits-2"
-    assert "training_args.bin" not in hub.files and "privacy_ledger.json" in hub.files
-    assert "differential-privacy" in ModelCard(hub.files["README.md"].decode()).data.tags
+    repo = hub.repos["someone/dp-digits-2"]
+    assert repo.commits[-1].title == "test push"
+    assert "training_args.bin" not in repo.files and "privacy_ledger.json" in repo.files
+    assert "differential-privacy" in ModelCard.load("someone/dp-digits-2").data.tags
 
 
 def test_hub_token_in_arguments_is_refused(tmp_path):

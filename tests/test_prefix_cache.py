@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
-from utils import HubCapture, make_token_classification_dataset, make_token_dataset
+from utils import make_token_classification_dataset, make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.feature_store import _FOLDERS, _STORE, clear_feature_cache
@@ -172,10 +172,9 @@ def test_states_over_the_memory_bound_go_to_a_temporary_folder_never_the_output_
     assert not Path(folder).exists() and not _FOLDERS
 
 
-def test_cached_states_reach_no_file_of_output_dir_and_no_push(digits, tmp_path, monkeypatch):
+def test_cached_states_reach_no_file_of_output_dir_and_no_push(digits, tmp_path, hub):
     """Every file the run writes (checkpoints, final save, metrics) and every pushed byte is searched for the
     cached states of the first training example."""
-    hub = HubCapture(monkeypatch)
     out = tmp_path / "out"
     trainer = make_trainer(tiny_vit(), data_for("digits", digits), out, save_strategy="steps", save_steps=2,
                            push_to_hub=True, hub_model_id="someone/prefix", hub_always_push=True)
@@ -188,4 +187,5 @@ def test_cached_states_reach_no_file_of_output_dir_and_no_push(digits, tmp_path,
     written = [p for p in out.rglob("*") if p.is_file()]
     assert any(p.name == "model.safetensors" for p in written) and any("checkpoint-" in str(p) for p in written)
     assert not [p for p in written if needle in p.read_bytes()]
-    assert hub.files and not [name for name, data in hub.files.items() if needle in data]
+    pushed = [(c.title, name, data) for c in hub.repos["someone/prefix"].commits[1:] for name, data in c.files.items()]
+    assert pushed and not [(title, name) for title, name, data in pushed if needle in data]

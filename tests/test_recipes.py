@@ -122,17 +122,15 @@ def test_public_model_is_reused_by_runs_with_the_same_settings(image_run, caplog
     assert marker.stat().st_mtime_ns == before
 
 
-def test_recipe_push_sends_the_dp_run(image_run, monkeypatch):
-    from utils import HubCapture as _Capture
-
+def test_recipe_push_sends_the_dp_run(image_run, hub):
     out, argv, _ = image_run
-    hub = _Capture(monkeypatch)
     image_recipe.main([a if a != str(out / "run") else str(out / "pushed") for a in argv]
                       + ["--push_to_hub", "true", "--hub_model_id", "someone/digits-dp"])
-    assert hub.whoami_calls == 1 and hub.repos[0][0] == "someone/digits-dp"  # access checked before the run
-    assert hub.commits == [["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json",
-                            "representation_law.json", "representation_law.png"]]
-    assert "train_loss" not in json.loads(hub.files["all_results.json"])
+    assert len(hub.calls("GET", "whoami")) == 1 and hub.requests[0][1] == "/api/whoami-v2"  # access checked first
+    assert hub.pushes("someone/digits-dp") == [["README.md", "all_results.json", "config.json", "model.safetensors",
+                                                "privacy_ledger.json", "representation_law.json",
+                                                "representation_law.png"]]
+    assert "train_loss" not in json.loads(hub.repos["someone/digits-dp"].files["all_results.json"])
 
 
 def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path, capsys):

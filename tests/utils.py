@@ -1,13 +1,12 @@
 """Helpers shared by the test files (`from utils import ...`; pytest puts tests/ on the import path): datasets of
-random tokens, one DP step of DPTrainer against a brute-force loop, a stand-in for the Hub, a callback that stops."""
+random tokens, one DP step of DPTrainer against a brute-force loop, a callback that stops. The Hub is a local server:
+tests/hub_server.py and the `hub` fixture (conftest.py)."""
 
 from pathlib import Path
 
 import numpy as np
 import torch
 from datasets import Dataset
-from huggingface_hub import CommitInfo, HfApi, RepoUrl, hf_api
-from huggingface_hub import constants as hf_constants
 from transformers import TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
@@ -90,43 +89,6 @@ def relative_error(got: dict, want: dict) -> float:
     num = sum(((got[n] - want[n]).double() ** 2).sum() for n in want)
     den = sum((want[n].double() ** 2).sum() for n in want)
     return (num / den).sqrt().item()
-
-
-# ---- the Hub, captured ----------------------------------------------------------------------------------------
-class HubCapture:
-    """Stands in for the Hub: records whoami, create_repo and the operations of each create_commit (`commits`: the
-    sorted paths of each push), so the real upload_folder filtering runs and nothing reaches the network."""
-
-    def __init__(self, monkeypatch, user="someone", role="write"):
-        self.repos, self.files, self.validated, self.commits, self.whoami_calls = [], {}, [], [], 0
-
-        def whoami(api, token=None, **kw):
-            self.whoami_calls += 1
-            return {"type": "user", "name": user, "orgs": [], "auth": {"accessToken": {"role": role}}}
-
-        def create_repo(api, repo_id, **kw):
-            self.repos.append((repo_id, kw.get("private")))
-            return RepoUrl(f"https://huggingface.co/{repo_id}")
-
-        def create_commit(api, repo_id, operations, **kw):
-            self.commits.append(sorted(op.path_in_repo for op in operations))
-            for op in operations:
-                src = op.path_or_fileobj
-                self.files[op.path_in_repo] = src.read_bytes() if hasattr(src, "read_bytes") else open(src, "rb").read()
-            return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/0", commit_message="m",
-                              commit_description="", oid="0" * 40)
-
-        def validate_yaml(api, content, **kw):  # the Hub's metadata check of README.md, also a request
-            self.validated.append(content)
-
-        # With hf_xet installed, upload_folder streams through its own pipeline; the single-commit path hands every
-        # file to create_commit, which is where we listen.
-        monkeypatch.setattr(hf_api, "is_xet_available", lambda: False, raising=False)
-        monkeypatch.setattr(HfApi, "_validate_yaml", validate_yaml)
-        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # the calls below never reach the network
-        monkeypatch.setattr(HfApi, "whoami", whoami)
-        monkeypatch.setattr(HfApi, "create_repo", create_repo)
-        monkeypatch.setattr(HfApi, "create_commit", create_commit)
 
 
 # ---- training control -------------------------------------------------------------------------------------------
