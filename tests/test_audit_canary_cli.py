@@ -61,6 +61,8 @@ def test_bad_canary_audits_are_refused(folders, digits, tmp_path):
              "the audit's run is not kept")
     _refused(_argv(folders, training=("--target_epsilon", "1", "--accountant", "pld", "--neighboring",
                                       "replace_one")), out, "tests add/remove")
+    _refused(_argv(folders, training=("--noise_multiplier", "0", "--privacy_unit", "user_id")), out,
+             "--privacy_unit user_id")
     _refused(_argv(folders, training=("--target_epsilon", "1", "--noise_multiplier", "1")), out, "training arguments")
     _refused(_argv(folders, training=("--noise_multiplier", "0", "--no_such_flag", "1")), out, "no_such_flag")
     _refused(["audit", "canaries", "--model", str(tmp_path), "--train", "digits:train", "--", "--noise_multiplier",

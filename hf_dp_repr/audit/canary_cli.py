@@ -20,7 +20,8 @@ Each canary is trained on with probability 1/2, drawn from the OS (`secrets`), n
 command line can reproduce the draw. Refused before anything is written: a `--model` that is not a model folder,
 unreadable or empty data, labels outside the model's, 2k > m, input canaries without `--canary-source`, fewer
 source rows than m or rows shared with `--train`, a `--canary-source` for Dirac canaries, training arguments
-DPTrainingArguments refuses, neighboring other than add_remove, a save strategy or a push.
+DPTrainingArguments refuses, neighboring other than add_remove or a unit other than the row, a save strategy or a
+push.
 
 Example (in Python; on the command line the same arguments follow `hf-dp-repr audit`):
     >>> import argparse, tempfile
@@ -92,23 +93,15 @@ def training_arguments(flags: list[str], run_dir: str):
     if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" or args.push_to_hub:
         _fail("the audit's run carries the canaries and is not a model to keep: leave --save_strategy and "
               "--push_to_hub out (train the model you publish without canaries).")
-    if args.neighboring != "add_remove":
-        _fail(f"a canary is added to or left out of the training set, so the audit tests add/remove; these "
-              f"arguments claim ε for --neighboring {args.neighboring}.")
+    if args.neighboring != "add_remove" or args.privacy_unit != "row":
+        _fail("a canary is one row, added to or left out of the training set, so the audit tests add/remove of a "
+              f"row; these arguments claim ε for --neighboring {args.neighboring}, --privacy_unit {args.privacy_unit}.")
     return args
-
-
-def check_labels(data, flag: str, num_labels: int) -> None:
-    import numpy as np
-
-    labels = np.asarray(data.with_format("numpy")[:]["labels"])
-    if labels.min() < 0 or labels.max() >= num_labels:
-        _fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}.")
 
 
 def _inputs(args: argparse.Namespace, num_labels: int):
     """(training set, image canaries or None), checked."""
-    from .cli import _fingerprints, load_audit_dataset
+    from .cli import _fingerprints, check_labels, load_audit_dataset
     from .canaries import make_canaries
 
     train = load_audit_dataset(args.train, "--train")

@@ -173,6 +173,14 @@ def _fingerprints(data) -> set[str]:
     return out
 
 
+def check_labels(data, flag: str, num_labels: int) -> None:
+    """Refuse labels outside the model's 0..num_labels-1."""
+    labels = np.asarray(data.with_format("numpy")[:]["labels"])
+    if labels.min() < 0 or labels.max() >= num_labels:
+        _fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}. "
+              "Nothing written.")
+
+
 def check_sets(members, non_members, num_labels: int) -> None:
     """Refuse overlapping sets and label spaces that differ between the sets or from the model's."""
     names = [getattr(d.features.get("labels"), "names", None) for d in (members, non_members)]
@@ -181,10 +189,7 @@ def check_sets(members, non_members, num_labels: int) -> None:
     for flag, data, declared in (("--members", members, names[0]), ("--non-members", non_members, names[1])):
         if declared and len(declared) != num_labels:
             _fail(f"{flag} declares {len(declared)} classes but the model has {num_labels} labels. Nothing written.")
-        labels = np.asarray(data.with_format("numpy")[:]["labels"])
-        if labels.min() < 0 or labels.max() >= num_labels:
-            _fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}. "
-                  "Nothing written.")
+        check_labels(data, flag, num_labels)
     shared = _fingerprints(members) & _fingerprints(non_members)
     if shared:
         _fail(f"{len(shared)} example(s) are both members and non-members; the sets must be disjoint. Nothing written.")
