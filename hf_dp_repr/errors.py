@@ -34,6 +34,11 @@ class OutOfReachError(DPConfigError):
     """No σ makes the run spend as little as the target ε (below the accountant's floor)."""
 
 
+class AuditDataError(HfDpReprError, ValueError):
+    """The data given to a privacy audit cannot be what the audited run trained on (e.g. more "members" than the
+    ledger's n): the attack's numbers would be about other examples."""
+
+
 # ---- refused during or around a run (a RuntimeError: the state of the run or of the world) ----------------------
 class PrivacyBudgetExhaustedError(HfDpReprError, RuntimeError):
     """Another noisy step would spend more than the planned budget: every planned DP step is done."""
@@ -47,5 +52,5 @@ class HubAccessError(HfDpReprError, RuntimeError):
     """Not logged in, offline, or no write access to the repository: raised before anything is written or sent."""
 
 
-__all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
+__all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError", "AuditDataError",
            "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError"]

@@ -107,3 +107,34 @@ def test_audit_files_are_never_pushed(tmp_path):
     for name in ("privacy_audit.json", "privacy_audit_roc.png", "representation_law.png", "privacy_ledger.json"):
         (tmp_path / name).write_text("x")
     assert files_to_push(tmp_path) == ["privacy_ledger.json", "representation_law.png"]
+
+
+def test_more_members_than_the_run_trained_on_are_refused(overfit_run, tmp_path):
+    """Issue 23: all 1437 rows of digits:train given as members of a run whose ledger says n = 64 (the image recipe
+    trains on the private part only): refused, naming both numbers and the fix."""
+    _refused(["audit", "--model", str(overfit_run / "run"), "--members", "digits:train", "--non-members",
+              str(overfit_run / "non_members")], tmp_path / "r",
+             r"--members has 1437 rows but the run trained on n = 64 .*split_public_private")
+
+
+def test_members_are_checked_against_the_ledger_n_and_unit():
+    from datasets import Dataset
+
+    from hf_dp_repr.audit.cli import check_members
+    from hf_dp_repr.errors import AuditDataError
+
+    rows = Dataset.from_dict({"labels": [0] * 6, "user_id": ["a", "a", "b", "b", "c", "c"]})
+    check_members(rows, {"dataset_size": 6, "privacy_unit": "row"})  # all of them
+    check_members(rows.select(range(3)), {"dataset_size": 6, "privacy_unit": "row"})  # a sample of them
+    with pytest.raises(AuditDataError, match="has 6 rows but the run trained on n = 5"):
+        check_members(rows, {"dataset_size": 5, "privacy_unit": "row"})
+    check_members(rows, {"dataset_size": 3, "privacy_unit": "user_id"})  # 6 rows of 3 units
+    with pytest.raises(AuditDataError, match="3 distinct user_id values but the run trained on n = 2"):
+        check_members(rows, {"dataset_size": 2, "privacy_unit": "user_id"})
+    with pytest.raises(AuditDataError, match="no 'doc_id' column"):
+        check_members(rows, {"dataset_size": 3, "privacy_unit": "doc_id"})
+    assert issubclass(AuditDataError, ValueError)
+
+
+def test_membership_inference_flags_are_required_without_the_canaries_subcommand(tmp_path):
+    _refused(["audit", "--members", "digits:train"], tmp_path / "r", "--model, --non-members required")

@@ -3,7 +3,10 @@
 - `mia`: membership inference (loss threshold, difficulty-calibrated with reference models): ROC AUC, TPR at low
   FPR, log-log ROC plot; `hf-dp-repr audit` (`cli`) runs it on a saved run and writes a JSON report.
 - `canaries`: Steinke, Nasr & Jagielski (2023): m canaries each included with probability 1/2 (a secret draw),
-  one training run, guesses → an empirical lower bound on ε at a stated confidence.
+  one training run, guesses → an empirical lower bound on ε at a stated confidence; image canaries scored by loss.
+- `dirac`: the same audit with white-box gradient canaries (each a gradient B·e_i, B ≫ C, read from the released
+  updates): it measures the clipped update itself, so it sees clipping switched off, which image canaries miss.
+  `hf-dp-repr audit canaries` (`canary_cli`) runs either from the command line.
 - `bounds`: the one-run bound, Clopper–Pearson intervals and the classic multi-run bound.
 - `multi_run`: the classic audit over repeated runs with and without one canary.
 
@@ -19,8 +22,10 @@ Example:
 
 from .bounds import clopper_pearson, multi_run_epsilon_lower_bound, one_run_epsilon_lower_bound, one_run_p_value
 from .canaries import draw_inclusion, make_canaries, one_run_audit, train_with_canaries
+from .dirac import DiracCanaryTrainer, train_with_dirac_canaries
 from .mia import calibrated_scores, classification_losses, plot_roc, roc_metrics
 
 __all__ = ["clopper_pearson", "multi_run_epsilon_lower_bound", "one_run_epsilon_lower_bound", "one_run_p_value",
-           "draw_inclusion", "make_canaries", "one_run_audit", "train_with_canaries", "calibrated_scores",
+           "draw_inclusion", "make_canaries", "one_run_audit", "train_with_canaries", "DiracCanaryTrainer",
+           "train_with_dirac_canaries", "calibrated_scores",
            "classification_losses", "plot_roc", "roc_metrics"]

@@ -113,6 +113,14 @@ def one_run_audit(losses: np.ndarray, included: np.ndarray, k: int, delta: float
             "epsilon_lower_bound": one_run_epsilon_lower_bound(m, r, v, delta, beta)}
 
 
+def check_add_remove(args, caller: str) -> None:
+    """Refuse a run whose ε is stated for another relation: a canary is added to or left out of the training set."""
+    if args.neighboring != "add_remove":
+        raise ValueError(f"{caller}: each canary is added to or left out of the training set, so the audit tests an "
+                         f"add/remove guarantee; this run claims ε for neighboring={args.neighboring!r}. Audit a run "
+                         "with neighboring='add_remove'.")
+
+
 def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: int, beta: float = 0.05,
                         delta: float | None = None, inclusion_seed: int | None = None) -> dict:
     """Draw the inclusions, train `model` once on `train` + included canaries, audit; returns the audit dict with
@@ -130,10 +138,8 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
     from .mia import classification_losses
 
     private = isinstance(args, DPTrainingArguments)
-    if private and args.neighboring != "add_remove":
-        raise ValueError("train_with_canaries: each canary is added to or left out of the training set, so the audit "
-                         f"tests an add/remove guarantee; this run claims ε for neighboring={args.neighboring!r}. "
-                         "Audit a run with neighboring='add_remove'.")
+    if private:
+        check_add_remove(args, "train_with_canaries")
     included = draw_inclusion(len(canaries), inclusion_seed)
     data = with_canaries(train, canaries, included)
     trainer = (DPTrainer if private else Trainer)(model=model, args=args, train_dataset=data)

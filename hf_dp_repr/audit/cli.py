@@ -1,16 +1,18 @@
 """`hf-dp-repr audit`: membership inference against a saved DP run → a JSON report and a log-log ROC plot.
 
-    hf-dp-repr audit --model out/vit-dp-eps1 --members digits:train --non-members digits:test --out audit/
+    hf-dp-repr audit --model out/vit-dp-eps1 --members data/private --non-members digits:test --out audit/
     hf-dp-repr audit --model out/run --members data/private --non-members data/heldout:test \\
         --reference-model out/ref-a --reference-model out/ref-b --out audit/
+    hf-dp-repr audit canaries ...   (the one-run canary audit: `canary_cli`)
 
 Datasets: `digits:train` / `digits:test` (sklearn's digits, offline, the split `load_digits_dataset` makes), or a
 directory written by `save_to_disk` (a `Dataset`, or a `DatasetDict` as `DIR:split`), with `labels` (or `label`)
 and model inputs (`pixel_values`, or `input_ids` [+ `attention_mask`]). The members must be the examples the
-model trained on, the non-members examples from the same distribution that it did not see.
+model trained on (all of them, or some), the non-members examples from the same distribution that it did not see.
 
 Every check comes before anything is written: the model folder must hold `privacy_ledger.json` (the audit is read
-against the claimed ε); both sets non-empty; no example in both; both sets and the model on one label space.
+against the claimed ε); no more members than the ledger's n (`check_members`); both sets non-empty; no example
+in both; both sets and the model on one label space.
 
 The report is evidence computed on the private members, outside DP-SGD: the DP guarantee does not cover it.
 `hf-dp-repr push` never uploads it; publish it only if you decide to.
@@ -49,18 +51,22 @@ NOT_COVERED = ("Computed on the private training examples (members) outside DP-S
 
 def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `audit` subcommand on an argparse `subparsers` object (sets `func=run_audit`)."""
-    p = subparsers.add_parser("audit", help="membership inference against a saved DP run (report beside its ε)",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="the run's folder (DPTrainer output_dir with privacy_ledger.json)")
-    p.add_argument("--members", required=True, metavar="DATASET",
-                   help="examples it trained on: digits:train or DIR[:split]")
-    p.add_argument("--non-members", required=True, metavar="DATASET", help="examples it did not see, same distribution")
+    p = subparsers.add_parser("audit", help="membership inference against a saved DP run (report beside its ε); "
+                              "`audit canaries`: the one-run canary audit", description=__doc__.split("\n\n")[0])
+    # required unless `audit canaries` is given (argparse cannot make them conditional): checked by run_audit
+    p.add_argument("--model", help="the run's folder (DPTrainer output_dir with privacy_ledger.json)")
+    p.add_argument("--members", metavar="DATASET",
+                   help="examples it trained on (its private training set, or part of it): DIR[:split] or digits:train")
+    p.add_argument("--non-members", metavar="DATASET", help="examples it did not see, same distribution")
     p.add_argument("--reference-model", action="append", default=[], metavar="PATH",
                    help="a model trained like the target on other data (none of the audited examples), for the "
                    "calibrated attack; repeat for several")
     p.add_argument("--out", default="privacy-audit", metavar="DIR", help=f"writes DIR/{REPORT_FILE} and the ROC PNG")
     p.add_argument("--batch-size", type=int, default=128)
     p.set_defaults(func=run_audit)
+    from .canary_cli import add_canary_parser
+
+    add_canary_parser(p.add_subparsers(dest="audit_kind", metavar="{canaries}"))
     return p
 
 
@@ -80,7 +86,42 @@ def read_claim(model_dir: str) -> dict:
         _fail(f"{path} is not valid JSON ({err}). Nothing written.")
     eps = ledger.get("epsilon")
     return {"epsilon": math.inf if eps is None else float(eps), "delta": ledger.get("target_delta"),
-            "accountant": ledger.get("accountant"), "neighboring": ledger.get("neighboring", "add_remove")}
+            "accountant": ledger.get("accountant"), "neighboring": ledger.get("neighboring", "add_remove"),
+            "dataset_size": ledger.get("dataset_size"), "privacy_unit": ledger.get("privacy_unit", "row")}
+
+
+def check_members(members, claim: dict) -> None:
+    """Refuse more members than the run trained on (`claim`: `read_claim`'s; n = the ledger's `dataset_size`,
+    rows or units of `privacy_unit`): some would not be members, and the attack would score them as if they were.
+
+    Fewer is fine (a sample of the members). The ledger holds no fingerprint of the training set (published with
+    the model, one would tell the private set from its neighbours), so equal counts cannot prove equal sets.
+
+        >>> from datasets import Dataset
+        >>> check_members(Dataset.from_dict({"labels": [0] * 1437}), {"dataset_size": 719, "privacy_unit": "row"})
+        Traceback (most recent call last):
+        hf_dp_repr.errors.AuditDataError: --members has 1437 rows but the run trained on n = 719 ...
+    """
+    from ..errors import AuditDataError
+
+    n, unit = claim.get("dataset_size"), claim.get("privacy_unit", "row")
+    if n is None:
+        return  # a ledger written before dataset_size was recorded: nothing to compare
+    if unit == "row":
+        count, what = len(members), "rows"
+    elif unit in members.column_names:
+        count, what = len(set(members[unit])), f"distinct {unit} values"
+    else:
+        raise AuditDataError(f"--members has no {unit!r} column, the run's unit of privacy (its ledger counts n = {n} "
+                             "units): add the column so the members can be checked against n.")
+    if count > n:
+        raise AuditDataError(
+            f"--members has {count} {what} but the run trained on n = {n} (dataset_size in its {LEDGER_FILE}): at "
+            f"least {count - n} of them were never trained on, and the attack would count them as members. Pass the "
+            "private training set itself (or part of it): a recipe that pre-trains on a public part of the split "
+            "trains under DP on the rest only, e.g. the image recipe on digits:train, whose private part is "
+            "hf_dp_repr.scripts.utils.split_public_private(train, public_fraction, seed)[1] (save_to_disk it and "
+            "pass the folder).")
 
 
 def load_audit_dataset(spec: str, flag: str):
@@ -132,6 +173,14 @@ def _fingerprints(data) -> set[str]:
     return out
 
 
+def check_labels(data, flag: str, num_labels: int) -> None:
+    """Refuse labels outside the model's 0..num_labels-1."""
+    labels = np.asarray(data.with_format("numpy")[:]["labels"])
+    if labels.min() < 0 or labels.max() >= num_labels:
+        _fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}. "
+              "Nothing written.")
+
+
 def check_sets(members, non_members, num_labels: int) -> None:
     """Refuse overlapping sets and label spaces that differ between the sets or from the model's."""
     names = [getattr(d.features.get("labels"), "names", None) for d in (members, non_members)]
@@ -140,18 +189,25 @@ def check_sets(members, non_members, num_labels: int) -> None:
     for flag, data, declared in (("--members", members, names[0]), ("--non-members", non_members, names[1])):
         if declared and len(declared) != num_labels:
             _fail(f"{flag} declares {len(declared)} classes but the model has {num_labels} labels. Nothing written.")
-        labels = np.asarray(data.with_format("numpy")[:]["labels"])
-        if labels.min() < 0 or labels.max() >= num_labels:
-            _fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}. "
-                  "Nothing written.")
+        check_labels(data, flag, num_labels)
     shared = _fingerprints(members) & _fingerprints(non_members)
     if shared:
         _fail(f"{len(shared)} example(s) are both members and non-members; the sets must be disjoint. Nothing written.")
 
 
 def run_audit(args: argparse.Namespace) -> int:
+    from ..errors import AuditDataError
+
+    missing = [f for f in ("model", "members", "non_members") if getattr(args, f) is None]
+    if missing:
+        _fail(f"{', '.join('--' + f.replace('_', '-') for f in missing)} required (membership inference), or "
+              "`hf-dp-repr audit canaries ...` for the canary audit. Nothing written.")
     claim = read_claim(args.model)
     members = load_audit_dataset(args.members, "--members")
+    try:
+        check_members(members, claim)
+    except AuditDataError as err:
+        _fail(f"{err} Nothing written.")
     non_members = load_audit_dataset(args.non_members, "--non-members")
     from ..analysis.inputs import load_model
 
@@ -176,7 +232,8 @@ def run_audit(args: argparse.Namespace) -> int:
                                            calibrated_scores(losses["non_members"], ref_losses["non_members"]))
     report = {"model": str(args.model), "claimed_epsilon": None if math.isinf(claim["epsilon"]) else claim["epsilon"],
               "claimed_delta": claim["delta"], "accountant": claim["accountant"], "neighboring": claim["neighboring"],
-              "members": len(members), "non_members": len(non_members), "reference_models": args.reference_model,
+              "members": len(members), "non_members": len(non_members), "ledger_n": claim["dataset_size"],
+              "reference_models": args.reference_model,
               "attacks": {k: {m: v[m] for m in ("auc", "tpr_at_1pct_fpr", "tpr_at_0.1pct_fpr")}
                           for k, v in curves.items()},
               "mean_loss": {k: float(v.mean()) for k, v in losses.items()}, "not_covered_by_dp": NOT_COVERED}
