@@ -48,9 +48,13 @@ class CheckpointMismatchError(HfDpReprError, RuntimeError):
     """The checkpoint's tensors do not fill the model exactly: resuming would train from other weights."""
 
 
+class OutputDirError(HfDpReprError, OSError):
+    """output_dir cannot be written (read-only, full, a file in the way): raised before any work."""
+
+
 class HubAccessError(HfDpReprError, RuntimeError):
     """Not logged in, offline, or no write access to the repository: raised before anything is written or sent."""
 
 
 __all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError", "AuditDataError",
-           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError"]
+           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError"]

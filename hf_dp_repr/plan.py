@@ -77,16 +77,81 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
     )
 
 
-def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int) -> PrivacyLedger:
+def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int, saved_args: dict | None = None,
+                  args: dict | None = None) -> PrivacyLedger:
     """The checkpoint's ledger, if its plan is `plan` (on `RESUME_INVARIANTS`) and it belongs to the trainer state at
-    `global_step`; else an error that lists what changed."""
-    saved = checkpoint.plan
-    changed = [f"{k}: checkpoint {getattr(saved, k)!r} vs now {getattr(plan, k)!r}"
-               for k in RESUME_INVARIANTS if getattr(saved, k) != getattr(plan, k)]
-    if changed:
-        raise DPConfigError("DPTrainer: cannot resume, the privacy plan changed since the checkpoint "
-                            "(resume with the same arguments and data):\n  " + "\n  ".join(changed))
+    `global_step`; else an error with one line per change: each changed argument (`saved_args`, `args`: the
+    checkpoint's and the current arguments as dicts, when known) or else each changed plan field."""
+    refused = plan_changes(checkpoint.plan, plan, saved_args, args)
+    if saved_args is not None and args is not None:
+        refused += [f"{c} changes what trains (the checkpoint's optimizer state is for the old one): refused"
+                    for c in (_change(k, saved_args, args) for k in SCOPE_ARGUMENTS) if c]
+    if refused:
+        what = "the privacy plan" if "privacy plan" in refused[0] else "what trains"
+        raise DPConfigError(f"DPTrainer: cannot resume, {what} changed since the checkpoint:\n  "
+                            + "\n  ".join(refused) + "\nFix: resume with the checkpoint's values of these arguments "
+                            "and the same data, or start a new run (another output_dir, or overwrite_output_dir in "
+                            "the recipes) with its own budget.")
     if checkpoint.steps_done != global_step:
         raise DPConfigError(f"DPTrainer: the checkpoint's ledger counts {checkpoint.steps_done} DP steps but its "
                             f"trainer state {global_step}; the checkpoint is inconsistent.")
     return checkpoint
+
+
+# ---- what a resume may and may not change ---------------------------------------------------------------
+# Arguments the plan is made of (with the dataset size and the number of processes).
+PLAN_ARGUMENTS = ("target_epsilon", "target_delta", "noise_multiplier", "accountant", "neighboring",
+                  "per_sample_max_grad_norm", "clipping", "poisson_sampling", "noise_seed", "privacy_unit",
+                  "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
+                  "lp_steps", "lp_epsilon_fraction", "lp_per_device_train_batch_size")
+# What trains: the checkpoint's optimizer state holds these parameters and no others.
+SCOPE_ARGUMENTS = ("trainable_blocks", "trainable_groups", "block_stack", "optim")
+# The optimizer and learning-rate schedule: the checkpoint's state continues, these arguments are set back to it.
+CONTINUED_ARGUMENTS = ("learning_rate", "lp_learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+                       "warmup_ratio", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+_SECRET = ("noise_seed",)  # changed or not, its values are never printed
+
+
+def _change(name: str, saved: dict, now: dict) -> str | None:
+    if name not in saved or name not in now or saved[name] == now[name]:
+        return None
+    return f"{name} changed" if name in _SECRET else f"{name} {saved[name]!r} → {now[name]!r}"
+
+
+def plan_changes(saved: PrivacyPlan, plan: PrivacyPlan, saved_args: dict | None = None,
+                 args: dict | None = None) -> list[str]:
+    """One line per reason the plan `plan` is not the checkpoint's `saved` (empty if it is): the changed
+    arguments when both argument dicts are known, the data size and processes, else the changed plan fields."""
+    fields = [k for k in RESUME_INVARIANTS if getattr(saved, k) != getattr(plan, k)]
+    if not fields:
+        return []
+    lines = []
+    if "dataset_size" in fields:
+        lines.append(f"the training set: {saved.dataset_size} → {plan.dataset_size} {saved.privacy_unit}s")
+    if "world_size" in fields:
+        lines.append(f"processes (world_size) {saved.world_size} → {plan.world_size}")
+    if saved_args is not None and args is not None:
+        epochs_matter = saved_args.get("max_steps", -1) <= 0 or args.get("max_steps", -1) <= 0
+        lines += [c for c in (_change(k, saved_args, args) for k in PLAN_ARGUMENTS
+                              if k != "num_train_epochs" or epochs_matter) if c]
+    if not lines:  # no arguments recorded (an older checkpoint): the plan's own fields
+        for k in fields:
+            lines += (_phase_changes(saved.phases, plan.phases) if k == "phases" else
+                      [f"{k} {getattr(saved, k)!r} → {getattr(plan, k)!r}"])
+    return [f"{line} changes the privacy plan: refused" for line in lines]
+
+
+def _phase_changes(saved, now) -> list[str]:
+    if len(saved) != len(now):
+        return [f"phases {[p.name for p in saved]} → {[p.name for p in now]}"]
+    what = {"steps": "steps", "noise_multiplier": "σ", "sample_rate": "sample rate q",
+            "expected_batch_size": "expected batch"}
+    return [f"{label} of phase '{a.name}' {getattr(a, k)!r} → {getattr(b, k)!r}" for a, b in zip(saved, now)
+            for k, label in what.items() if getattr(a, k) != getattr(b, k)]
+
+
+def continued_arguments(saved_args: dict, args: dict) -> dict[str, str]:
+    """{argument: its line} for each changed optimizer/schedule argument: the resumed run sets it back to the
+    checkpoint's value (`saved_args[argument]`), as the checkpoint's optimizer and scheduler state continue."""
+    return {k: f"{c}: ignored on resume (the checkpoint's optimizer and learning-rate schedule continue; start a new "
+               "run to change it)" for k in CONTINUED_ARGUMENTS if (c := _change(k, saved_args, args))}

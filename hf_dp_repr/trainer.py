@@ -31,7 +31,6 @@ import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, default_data_collator
-from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import ModelOutput
 from transformers.utils import logging
 
@@ -44,7 +43,7 @@ from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
 from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, run_from_states,
                            set_frozen_prefix_modes)
-from .privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan
+from .privacy.ledger import PrivacyLedger, PrivacyPlan
 from .privacy.grad_samplers import batch_position_ids
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
@@ -53,7 +52,7 @@ from .privacy.sampler import (UNIT_KEY, ExampleBatchCollator, PoissonBatchSample
                               ShuffledBatchSampler)
 from .privacy.units import ROW, UnitPoissonBatchSampler, UnitRowsDataset, column_values, unit_rows
 from .privacy.validation import check_model_is_privatizable, check_train_dataset
-from .resume import finish_without_training, is_finished
+from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .scope import phase_scopes
 from .trainer_clipping import DPClippingMixin
 from .trainer_features import DPFeatureCacheMixin
@@ -216,7 +215,8 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             world_size=self.args.world_size, rank=self.args.process_index, secure_mode=self.args.secure_mode,
             engine=self._ghost_engine,
         )
-        self._dp_optimizer.attach_step_hook(lambda _opt: self.ledger.record_step())
+        self._dp_optimizer.attach_step_hook(lambda _opt: self._record_step())
+        self._write_spent()
         self.optimizer = self._dp_optimizer
         self._announce_plan()
         self._applied_phase = None
@@ -328,26 +328,22 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
             dataset, collator = self._train_dataset_and_collator()
             ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
-        if resume_from_checkpoint:
-            path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
-                    else resume_from_checkpoint)
-            if path is None:
-                raise ValueError(f"DPTrainer: no checkpoint found in {self.args.output_dir} to resume from.")
-            try:
-                self._resume_ledger = PrivacyLedger.load(path)
-            except FileNotFoundError:
-                raise ValueError(f"DPTrainer: checkpoint {path} has no {LEDGER_FILE}; resuming would lose the "
-                                 "privacy accounting. Resume only from checkpoints written by DPTrainer.") from None
+        if self.train_dataset is not None and trial is None:  # (a trial's arguments are set by the Trainer later)
+            self.privacy_plan()  # refused (e.g. a batch larger than the data) before anything is written
+        path = checkpoint_to_resume(self.args.output_dir, resume_from_checkpoint) if resume_from_checkpoint else None
+        if path is not None:
+            self._resume_ledger = prepare_resume(self, path)  # plan/arguments checked, lost steps charged
             self._dp_optimizer = None
             self.optimizer = None
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
+        self._start_spent_record(resuming=path is not None)
         if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
-            start_continual(self, path if resume_from_checkpoint else None)
+            start_continual(self, path)
         self._features_ready = False  # prepared with the training dataloader, on the model that trains
         state = "failed"
         try:
-            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+            output = super().train(resume_from_checkpoint=path, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             state = "complete"
         finally:

@@ -16,6 +16,7 @@ def test_hierarchy_is_exported_and_keeps_the_builtins():
         assert issubclass(cls, ValueError)
     for cls in (errors.PrivacyBudgetExhaustedError, errors.CheckpointMismatchError, errors.HubAccessError):
         assert issubclass(cls, RuntimeError)
+    assert issubclass(errors.OutputDirError, OSError)
 
 
 def test_old_import_paths_still_work():

@@ -112,7 +112,8 @@ def test_resume_compares_plans():
     checkpoint = PrivacyLedger(_plan(), steps_done=3)
     assert resume_ledger(_plan(), checkpoint, global_step=3) is checkpoint
     other = _plan(phases=[Phase("linear_probe", 2.0, 0.2, 2, 20), Phase("fine_tune", 1.1, 0.1, 3, 10)])
-    with pytest.raises(DPConfigError, match="privacy plan changed.*\n  phases: checkpoint"):
+    with pytest.raises(DPConfigError, match="privacy plan changed.*\n  σ of phase 'fine_tune' 1.0 → 1.1 changes the "
+                                            "privacy plan: refused"):
         resume_ledger(other, checkpoint, global_step=3)
     with pytest.raises(DPConfigError, match="counts 3 DP steps but its trainer state 2"):
         resume_ledger(_plan(), checkpoint, global_step=2)

@@ -6,6 +6,8 @@
 - `PrivacyLedger(plan, steps_done)`: how far the run has got. `record_step()` accounts one noisy update (and
   refuses one past the plan), `epsilon()` is ε spent so far, `save(dir)`/`load(dir)` write and read
   `privacy_ledger.json`, the file every checkpoint carries (its format is unchanged by this split).
+  `recomputed_steps`: steps an interrupted run computed after its last checkpoint, then lost and computed again
+  on resume (with fresh noise): they are charged too, so ε may end above the plan's (written only when some are).
 
 Example:
     >>> plan = PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
@@ -18,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,7 +31,7 @@ from .accounting import History, _merge, compute_epsilon
 
 LEDGER_FILE = "privacy_ledger.json"
 # Keys of the ledger file computed from the plan and the position; read back only to be checked.
-_DERIVED = ("history", "steps_done", "planned_steps", "epsilon", "epsilon_by_phase")
+_DERIVED = ("history", "steps_done", "planned_steps", "epsilon", "epsilon_by_phase", "recomputed_steps")
 
 
 @dataclass(frozen=True)
@@ -134,11 +137,17 @@ class PrivacyLedger:
 
     plan: PrivacyPlan
     steps_done: int = 0
+    # Inclusive ranges (first, last) of steps (numbered 1.. as global_step) computed a second time after a resume.
+    recomputed_steps: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if not 0 <= self.steps_done <= self.plan.planned_steps:
             raise ValueError(f"PrivacyLedger: steps_done={self.steps_done} is outside the plan's "
                              f"0..{self.plan.planned_steps} steps.")
+        self.recomputed_steps = tuple((int(a), int(b)) for a, b in self.recomputed_steps)
+        if not all(1 <= a <= b <= self.plan.planned_steps for a, b in self.recomputed_steps):
+            raise ValueError(f"PrivacyLedger: recomputed_steps={self.recomputed_steps} are not ranges of the plan's "
+                             f"1..{self.plan.planned_steps} steps.")
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "plan":  # not set yet (copy, unpickling): no recursion
@@ -147,8 +156,15 @@ class PrivacyLedger:
 
     @property
     def history(self) -> History:
-        """The accountant's history [(σ, q, steps), ...] of the steps taken."""
-        return self.plan.history(self.steps_done)
+        """The accountant's history [(σ, q, steps), ...] of the steps taken (and of those computed again)."""
+        phases = self.plan.phases
+        again = [(phases[i].noise_multiplier, phases[i].sample_rate, 1) for i in self._recomputed_phases()]
+        return _merge(self.plan.history(self.steps_done) + again)
+
+    def _recomputed_phases(self) -> list[int]:
+        """The phase index of every step computed again."""
+        return [self.plan.phase_index(step - 1) for first, last in self.recomputed_steps
+                for step in range(first, last + 1)]
 
     def phase_index(self, step: int | None = None) -> int:
         """Index of the phase that step `step` (0-based; default: the next step) belongs to."""
@@ -182,17 +198,29 @@ class PrivacyLedger:
         self.steps_done += 1
 
     def epsilon(self) -> float:
-        """ε spent by the steps taken."""
-        return self.plan.epsilon(self.steps_done)
+        """ε spent by the steps taken (and by those computed again)."""
+        if not self.recomputed_steps:
+            return self.plan.epsilon(self.steps_done)
+        return compute_epsilon(self.history, self.plan.target_delta, self.plan.accountant, self.plan.neighboring)
 
     def epsilon_by_phase(self) -> dict[str, float]:
-        return self.plan.epsilon_by_phase(self.steps_done)
+        by_phase = self.plan.epsilon_by_phase(self.steps_done)
+        again = self._recomputed_phases()
+        for index in sorted(set(again)):
+            phase, plan = self.plan.phases[index], self.plan
+            done = min(max(self.steps_done - sum(p.steps for p in plan.phases[:index]), 0), phase.steps)
+            by_phase[phase.name] = compute_epsilon([(phase.noise_multiplier, phase.sample_rate,
+                                                     done + again.count(index))],
+                                                   plan.target_delta, plan.accountant, plan.neighboring)
+        return by_phase
 
     def to_dict(self) -> dict:
         """The ledger file's content: the plan's fields, then the history, the position and ε."""
         d = self.plan.to_dict()
         d["history"] = [list(h) for h in self.history]
         d["steps_done"] = self.steps_done
+        if self.recomputed_steps:  # only after an interrupted run was resumed: other files stay as they were
+            d["recomputed_steps"] = [list(r) for r in self.recomputed_steps]
         d["planned_steps"] = self.plan.planned_steps
         # ε = ∞ (σ = 0) is written as null: bare Infinity is not JSON.
         d["epsilon"] = _finite_or_none(self.epsilon())
@@ -201,9 +229,10 @@ class PrivacyLedger:
         return d
 
     def save(self, directory: str) -> str:
+        """Write `privacy_ledger.json` into `directory` atomically: ε is computed first, the text goes to a temporary
+        file that is flushed to disk, then renamed over the ledger; a kill leaves the old file or the new, whole."""
         path = os.path.join(directory, LEDGER_FILE)
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
+        write_atomically(path, json.dumps(self.to_dict(), indent=2, allow_nan=False))
         return path
 
     @classmethod
@@ -217,7 +246,9 @@ class PrivacyLedger:
             d = json.loads(text)
             history = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
             plan = PrivacyPlan.from_dict({k: v for k, v in d.items() if k not in _DERIVED})
-            ledger = cls(plan, sum(t for _, _, t in history))
+            recomputed = tuple(tuple(r) for r in d.get("recomputed_steps", ()))
+            steps = int(d["steps_done"]) if recomputed else sum(t for _, _, t in history)
+            ledger = cls(plan, steps, recomputed)
             if ledger.history != history:
                 raise ValueError(f"its history {history} is not the plan's first {ledger.steps_done} steps "
                                  f"{ledger.history}")
@@ -233,3 +264,20 @@ class PrivacyLedger:
 
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+def write_atomically(path: str, text: str, durable: bool = True) -> None:
+    """Write `text` to `path` through a temporary file in the same folder, renamed over it: a killed process leaves
+    the old file or the new one, whole. `durable`: flushed to disk first, so that a power loss does too."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

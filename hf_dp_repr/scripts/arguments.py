@@ -34,6 +34,10 @@ class ScriptArguments:
     eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
     config: str | None = field(default=None, metadata={
         "help": "YAML file of arguments (recipes/configs/*.yaml); command-line arguments override it."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start afresh in an --output_dir that holds checkpoints of an earlier run (they are deleted when "
+                "training starts). Default: resume from the last complete one, as Hugging Face's example scripts do; "
+                "--resume_from_checkpoint names another."})
 
 
 @dataclass

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = DPTrainer(model=model, args=targs, train_dataset=blocks["private"], eval_dataset=blocks["eval"],
                         processing_class=tokenizer, callbacks=callbacks,
                         model_card_info=card_info)
-    result = trainer.train()
+    result = ru.train(trainer, margs.overwrite_output_dir)
     return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
                          extra_rows=lambda t: _sample(t, margs))
 

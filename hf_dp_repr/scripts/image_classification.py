@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
                         data_collator=collate, compute_metrics=ru.accuracy_metrics(), callbacks=callbacks,
                         processing_class=processor, model_card_info=card_info)  # saved with the model
-    result = trainer.train()
+    result = ru.train(trainer, margs.overwrite_output_dir)
     return ru.finish_run(trainer, result, margs, push=push)
 
 

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
                         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                         compute_metrics=ru.accuracy_metrics(),
                         model_card_info=card_info)
-    result = trainer.train()
+    result = ru.train(trainer, margs.overwrite_output_dir)
     return ru.finish_run(trainer, result, margs, push=push)
 
 

@@ -8,15 +8,18 @@ The recipes (`recipes/*.py`, `hf-dp-repr train ...`) import it from the package:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from transformers import Trainer, TrainingArguments
 
 from hf_dp_repr import tiny
+from hf_dp_repr.output_dir import check_writable
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts.arguments import (  # noqa: F401  (the parser's old home)
     expand_argv, given_options, parse_args, yaml_to_argv)
@@ -185,6 +188,9 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     margs, targs = parse_args(dataclass_types, argv)
     margs.given_options = given_options(argv)  # read by recipe_report.default_logging
     setup_logging(targs)
+    if targs.should_save:
+        check_writable(targs.output_dir)
+    targs.resume_from_checkpoint = resume_point(targs, getattr(margs, "overwrite_output_dir", False))
     _one_thread_for_tiny_models(getattr(margs, "model_name_or_path", ""))
     if targs.push_to_hub:  # login and write access now, not after training
         from hf_dp_repr.hub import check_hub_access
@@ -193,6 +199,41 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     set_seed(targs.seed)
     push, targs.push_to_hub = targs.push_to_hub, False
     return margs, targs, push
+
+
+def resume_point(training_args, overwrite: bool) -> str | None:
+    """The checkpoint a recipe resumes from, decided before any work as Hugging Face's example scripts do:
+    --resume_from_checkpoint if given; else, in an --output_dir that holds checkpoints, the last complete one, unless
+    --overwrite_output_dir; refused if none is complete."""
+    from hf_dp_repr.output_dir import checkpoints, last_complete_checkpoint
+    from hf_dp_repr.scripts.checks import RecipeArgumentError
+
+    out = training_args.output_dir
+    if training_args.resume_from_checkpoint or overwrite or not checkpoints(out):
+        return training_args.resume_from_checkpoint
+    path, skipped = last_complete_checkpoint(out)
+    if path is None:
+        raise RecipeArgumentError(f"--output_dir {out} holds checkpoints of an earlier run, none complete "
+                                  f"({', '.join(skipped)}): pass --overwrite_output_dir to start afresh (they are "
+                                  "deleted), or another --output_dir.")
+    logger.warning("--output_dir %s holds checkpoints of an earlier run: resuming from %s, the last complete one. To "
+                   "start afresh, pass --overwrite_output_dir (they are deleted) or another --output_dir.", out, path)
+    return path
+
+
+def train(trainer, overwrite: bool = False):
+    """`trainer.train()`, resuming from the checkpoint `start_run` chose; with --overwrite_output_dir the earlier
+    run's checkpoints (and its record of privacy spent) are deleted first, now that every check has passed."""
+    from hf_dp_repr.output_dir import STAGING_DIR, checkpoints
+    from hf_dp_repr.resume import SPENT_FILE
+
+    out = trainer.args.output_dir
+    if overwrite and trainer.args.should_save:
+        for path in checkpoints(out) + [os.path.join(out, STAGING_DIR)]:
+            shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, SPENT_FILE))
+    return trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
 
 
 def _one_thread_for_tiny_models(model_name: str) -> None:

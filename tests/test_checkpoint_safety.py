@@ -1,0 +1,225 @@
+"""Checkpoints survive interruptions (issue 23 items 1, 2, 3, 5; issue 22 item 5): a checkpoint is whole or absent,
+resume takes the newest complete one, steps lost to a kill are charged, output_dir is checked before any work and a
+refusal writes nothing, a recipe rerun resumes, and a changed argument on resume is named, refused or ignored."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments, PrivacyLedger
+from hf_dp_repr.errors import DPConfigError, OutputDirError
+from hf_dp_repr.privacy.accounting import compute_epsilon
+from hf_dp_repr.tiny import tiny_vit
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STEPS, EVERY = 6, 3
+
+
+class KillAt(TrainerCallback):
+    """A kill (SIGINT) right after the noisy step `step`, before the run saves anything more."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def _trainer(out, data, callbacks=(), **overrides):
+    kwargs = dict(output_dir=str(out), noise_multiplier=1.0, target_delta=1e-3, accountant="rdp", max_steps=STEPS,
+                  per_device_train_batch_size=16, save_strategy="steps", save_steps=EVERY, learning_rate=1e-3,
+                  report_to="none", disable_tqdm=True, seed=0)
+    kwargs.update(overrides)
+    return DPTrainer(model=tiny_vit(), args=DPTrainingArguments(**kwargs), train_dataset=data,
+                     callbacks=list(callbacks))
+
+
+@pytest.fixture
+def data(digits):
+    return digits["train"].select(range(128))
+
+
+def _resume(out, data, **overrides):
+    trainer = _trainer(out, data, **overrides)
+    with CaptureLogger(logging.get_logger("hf_dp_repr")) as log:
+        result = trainer.train(resume_from_checkpoint=True)
+    return trainer, result, log.out
+
+
+# ---- item 1: a checkpoint is whole or absent; resume takes the newest complete one ------------------------------
+def test_a_save_interrupted_after_the_model_file_leaves_no_checkpoint_and_resume_takes_the_previous(
+        data, tmp_path, monkeypatch):
+    save_optimizer = Trainer._save_optimizer_and_scheduler
+
+    def interrupted(self, output_dir):
+        if self.state.global_step == 2 * EVERY:  # the model file of checkpoint-6 is written: SIGINT now
+            assert os.path.isfile(os.path.join(output_dir, "model.safetensors"))
+            raise KeyboardInterrupt
+        save_optimizer(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tmp_path, data).train()
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert {"optimizer.pt", "trainer_state.json", "privacy_ledger.json", "training_args.json"} <= {
+        p.name for p in (tmp_path / "checkpoint-3").iterdir()}
+
+    resumed, _, log = _resume(tmp_path, data)
+    assert f"resuming from {tmp_path / 'checkpoint-3'}" in log
+    assert resumed.ledger.steps_done == STEPS and resumed.ledger.recomputed_steps == ((4, 6),)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert not (tmp_path / ".checkpoint-staging").exists()
+
+
+def test_a_truncated_ledger_is_skipped_and_named(data, tmp_path):
+    _trainer(tmp_path, data).train()
+    (tmp_path / "checkpoint-6" / "privacy_ledger.json").write_text("")  # what a kill during an old save left
+    resumed, _, log = _resume(tmp_path, data)
+    assert "skipping incomplete checkpoint(s)" in log and "checkpoint-6 (privacy_ledger.json unreadable" in log
+    assert f"resuming from {tmp_path / 'checkpoint-3'}" in log
+    assert resumed.ledger.steps_done == STEPS and resumed.state.global_step == STEPS
+
+
+def test_the_ledger_is_computed_before_its_file_is_opened(tmp_path, monkeypatch):
+    from hf_dp_repr.plan import plan_run
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, target_delta=1e-3, max_steps=4,
+                               per_device_train_batch_size=10, report_to="none")
+    ledger = PrivacyLedger(plan_run(args, 100), steps_done=2)
+    ledger.save(str(tmp_path))
+    before = (tmp_path / "privacy_ledger.json").read_text()
+
+    def interrupted(self):
+        raise KeyboardInterrupt  # SIGINT during the (seconds-long) accountant call
+
+    monkeypatch.setattr(PrivacyLedger, "epsilon", interrupted)
+    ledger.steps_done = 3
+    with pytest.raises(KeyboardInterrupt):
+        ledger.save(str(tmp_path))
+    assert (tmp_path / "privacy_ledger.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["privacy_ledger.json"]
+
+
+# ---- issue 22 item 5: the steps a kill lost are charged ----------------------------------------------------------
+def test_steps_computed_after_the_last_checkpoint_are_charged_on_resume(data, tmp_path):
+    steps = 8
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tmp_path, data, [KillAt(EVERY + 2)], max_steps=steps).train()
+    resumed, result, log = _resume(tmp_path, data, max_steps=steps)
+    assert "computed 2 noisy step(s) past it" in log
+    plan = resumed.ledger.plan
+    sigma, q = plan.phases[0].noise_multiplier, plan.phases[0].sample_rate
+    computed = (EVERY + 2) + (steps - EVERY)  # 5 before the kill, then 5 more from checkpoint-3
+    expected = compute_epsilon([(sigma, q, computed)], plan.target_delta, plan.accountant)
+    assert result.metrics["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert result.metrics["epsilon"] > plan.planned_epsilon()
+    saved = json.loads((tmp_path / f"checkpoint-{steps}" / "privacy_ledger.json").read_text())
+    assert saved["recomputed_steps"] == [[EVERY + 1, EVERY + 2]] and saved["steps_done"] == steps
+    assert saved["history"] == [[sigma, q, computed]] and saved["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert PrivacyLedger.load(str(tmp_path / f"checkpoint-{steps}")).epsilon() == pytest.approx(expected, rel=1e-9)
+
+    # killed again after a resumed step: both losses are charged, whichever checkpoint is resumed
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tmp_path / "twice", data, [KillAt(EVERY + 1)], max_steps=steps).train()
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tmp_path / "twice", data, [KillAt(EVERY + 2)], max_steps=steps).train(resume_from_checkpoint=True)
+    again, _, _ = _resume(tmp_path / "twice", data, max_steps=steps)
+    assert again.ledger.recomputed_steps == ((4, 4), (4, 5))
+
+
+def test_an_uninterrupted_run_writes_no_recomputed_steps(data, tmp_path):
+    _trainer(tmp_path, data, max_steps=EVERY).train()
+    saved = json.loads((tmp_path / f"checkpoint-{EVERY}" / "privacy_ledger.json").read_text())
+    assert "recomputed_steps" not in saved and saved["history"][0][2] == EVERY
+
+
+# ---- item 5: a changed argument on resume is named, and refused or ignored -------------------------------------
+def test_a_changed_argument_on_resume_is_named_and_refused_or_ignored(data, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tmp_path, data, [KillAt(EVERY + 1)]).train()
+    with pytest.raises(DPConfigError) as e:
+        _trainer(tmp_path, data, max_steps=8).train(resume_from_checkpoint=True)
+    assert "max_steps 6 → 8 changes the privacy plan: refused" in str(e.value)
+    assert "Phase(" not in str(e.value)
+    with pytest.raises(DPConfigError, match="trainable_blocks None → 1 changes what trains"):
+        _trainer(tmp_path, data, trainable_blocks=1).train(resume_from_checkpoint=True)
+
+    resumed, _, log = _resume(tmp_path, data, learning_rate=5e-4, warmup_steps=2)
+    assert "learning_rate 0.001 → 0.0005: ignored on resume" in log
+    assert "warmup_steps 0 → 2: ignored on resume" in log
+    assert resumed.args.learning_rate == 1e-3 and resumed.args.warmup_steps == 0
+    # the checkpoint's linear schedule went on: lr after the last step is 1e-3 · (1 - 6/6)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
+    assert set(resumed.lr_scheduler.base_lrs) == {1e-3}
+
+
+# ---- item 2: output_dir checked before any work; refusals write nothing -----------------------------------------
+def test_a_refusal_writes_nothing(data, tmp_path):
+    out = tmp_path / "new" / "run"
+    trainer = _trainer(out, data.select(range(8)))  # batch 16 > 8 examples
+    with pytest.raises(DPConfigError, match="exceeds the 8 training examples"):
+        trainer.train()
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        undo = ["chmod", "755", str(folder)]
+    else:  # root writes through permissions: an immutable folder refuses it too
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
+            pytest.skip("no way to make a folder read-only for root here (chattr +i)")
+        undo = ["chattr", "-i", str(folder)]
+    yield folder
+    subprocess.run(undo, check=True)
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_a_read_only_output_dir_is_refused_before_any_work(below, data, read_only_dir):
+    out = read_only_dir / "run" if below else read_only_dir
+    with pytest.raises(OutputDirError, match="output_dir .* cannot be written") as e:
+        _trainer(out, data)
+    assert isinstance(e.value, OSError) and str(out) in str(e.value)
+    assert list(read_only_dir.iterdir()) == []
+
+
+# ---- item 3: a recipe rerun in a folder with checkpoints resumes, or starts afresh when told ---------------------
+def test_a_recipe_rerun_resumes_its_checkpoints_or_overwrites_when_told(tmp_path, caplog):
+    from hf_dp_repr.scripts import image_classification as recipe
+
+    def argv(max_steps=4):
+        return ["--output_dir", str(tmp_path), "--public_fraction", "0", "--max_train_samples_per_class", "8",
+                "--max_eval_samples", "16", "--noise_multiplier", "1", "--target_delta", "1e-3", "--accountant", "rdp",
+                "--max_steps", str(max_steps), "--per_device_train_batch_size", "16", "--save_strategy", "steps",
+                "--save_steps", "2", "--report_to", "none", "--disable_tqdm", "true"]
+
+    recipe.main(argv())
+    weights = (tmp_path / "checkpoint-4" / "model.safetensors").read_bytes()
+    ledger = (tmp_path / "checkpoint-4" / "privacy_ledger.json").read_text()
+
+    with caplog.at_level("WARNING"):
+        recipe.main(argv())  # the finished run is found and resumed: nothing trains, nothing is overwritten
+    assert f"resuming from {tmp_path / 'checkpoint-4'}" in caplog.text and "nothing to resume" in caplog.text
+    assert (tmp_path / "checkpoint-4" / "model.safetensors").read_bytes() == weights
+    assert (tmp_path / "checkpoint-4" / "privacy_ledger.json").read_text() == ledger
+
+    with pytest.raises(DPConfigError, match="max_steps 4 → 6 changes the privacy plan: refused"):
+        recipe.main(argv(max_steps=6))
+
+    shutil.copytree(tmp_path / "checkpoint-4", tmp_path / "checkpoint-10")  # an earlier run's, to be deleted
+    recipe.main(argv() + ["--overwrite_output_dir", "true"])  # afresh: new noise, new weights
+    assert (tmp_path / "checkpoint-4" / "model.safetensors").read_bytes() != weights
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert torch.isfinite(torch.tensor(json.loads((tmp_path / "all_results.json").read_text())["eval_loss"]))
