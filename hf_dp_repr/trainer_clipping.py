@@ -24,7 +24,7 @@ class DPClippingMixin:
     _grad_sample_hooks = None
     _ghost_engine = None
     _example_rows = None  # ExampleRows: every hooked module's rows checked against the micro-batch's examples
-    _several_rows = frozenset()  # modules the start-of-training probe found with several rows per example
+    _several_rows = frozenset()  # paths of the modules the start-of-training probe found with several rows per example
     _opacus_pre_hooks = ()
 
     def _choose_engine(self) -> str:

@@ -220,13 +220,13 @@ class GhostClippingEngine:
     the other linear maps keep their two factors until the clip factors are known.
 
     `explicit` records, for tests, which tensors took the materialising path (others never hold (B, *shape)).
-    `several`: modules that see several rows per example, example-major (OPT's MLP sees (B·T, d); found by the
-    probe of `privacy.batch_rows`); their rows are viewed as (B, rows, ...) given `recording(batch_size=B)`.
+    `several`: paths of modules that see several rows per example, example-major (OPT's MLP sees (B·T, d); found by
+    the probe of `privacy.batch_rows`); their rows are viewed as (B, rows, ...) given `recording(batch_size=B)`.
     """
 
     def __init__(self, model: nn.Module, several=()):
         self.model = model
-        self.several = set(several)
+        self.several = {m for name, m in model.named_modules() if name in set(several)}
         self._batch_size: int | None = None
         self.modules = [m for m in model.modules() if _own_trainable(m)]
         self.params = [p for m in self.modules for p in _own_trainable(m)]

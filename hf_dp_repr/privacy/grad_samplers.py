@@ -1,7 +1,9 @@
-"""Per-sample gradient rules for Hugging Face modules that Opacus has none for, and `register_grad_samplers()`,
-which puts them into Opacus' own registry (`opacus.grad_sample.register_grad_sampler`). It is called once, from
-`hf_dp_repr/privacy/__init__.py`: importing anything of the package registers them, and no module imports this
-one for a side effect.
+"""Per-sample gradient rules for Hugging Face modules that Opacus has none for (Conv1D, ViT's embeddings, OPT's
+learned positions), Opacus' own rules where they fall short (LayerNorm(bias=False) crashed; Embedding gave the
+`padding_idx` row a gradient; none summed several rows per example: `examples_first`), and
+`register_grad_samplers()`, which puts them into Opacus' own registry (`opacus.grad_sample.register_grad_sampler`).
+It is called once, from `hf_dp_repr/privacy/__init__.py`: importing anything of the package registers them, and no
+module imports this one for a side effect.
 
 Without them Opacus falls back to functorch, which re-runs each module per example: correct but slow.
 Each rule receives the module's inputs (`activations`) and the gradient of the loss with respect to its
@@ -126,8 +128,8 @@ linear_grad_sample = examples_first(compute_linear_grad_sample)
 
 # Module class → its rule; `register_grad_samplers` installs exactly these.
 HF_GRAD_SAMPLERS = {Conv1D: conv1d_grad_sample, ViTEmbeddings: vit_embeddings_grad_sample,
-                    nn.Linear: linear_grad_sample, nn.LayerNorm: layer_norm_grad_sample, nn.Embedding: embedding_grad_sample,
-                    OPTLearnedPositionalEmbedding: opt_positions_grad_sample}
+                    nn.Linear: linear_grad_sample, nn.LayerNorm: layer_norm_grad_sample,
+                    nn.Embedding: embedding_grad_sample, OPTLearnedPositionalEmbedding: opt_positions_grad_sample}
 
 
 def register_grad_samplers() -> None:

@@ -26,11 +26,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import DPConfigError, NotPrivatizableError
-from .batch_rows import RowsProbe, hooked_modules, rows_per_example
+from .batch_rows import RowsProbe, close_enough, hooked_modules, rows_per_example
 from .grad_samplers import batch_position_ids
 from .sampler import UNIT_KEY
 
-PROBE_EXAMPLES = 3
+PROBE_EXAMPLES = 3  # the model runs twice per train(): on these rows, then on 4 (reordered, plus a copy)
+PROBE_FORWARDS, PROBE_ROWS = 2, 2 * PROBE_EXAMPLES + 1  # with a dataset of at least PROBE_EXAMPLES rows
 
 
 def _collate_seeded(collate, examples: list, seed: int) -> dict:
@@ -119,11 +120,11 @@ class ParameterUses(TorchFunctionMode):
         return out
 
 
-def probe_training_rows(trainer, dataset, collate, scope=None) -> set[nn.Module]:
+def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
     """Run the checks above with `trainer` (a DPTrainer: its model, input preparation and `per_example_loss`) on the
     first examples of `dataset`, collated by `collate` (an ExampleBatchCollator), with the tensors of `scope` (the
-    run's widest phase, if any) trained. Returns the hooked modules that see several rows per example (for the
-    engines); raises DPConfigError / NotPrivatizableError."""
+    run's widest phase, if any) trained. Returns the paths of the hooked modules that see several rows per example
+    (for the engines); raises DPConfigError / NotPrivatizableError."""
     examples = [dataset[i] for i in range(min(PROBE_EXAMPLES, len(dataset)))]
     batch = check_collator_keeps_examples_apart(collate, examples)
     k = len(examples)
@@ -152,13 +153,20 @@ def probe_training_rows(trainer, dataset, collate, scope=None) -> set[nn.Module]
             "clipped gradient. Fix: use them through a module (e.g. an nn.Linear head whose weight is the embedding: "
             "`head.weight = embedding.weight; head(h)`), or freeze them (`requires_grad_(False)`).")
     several = rows_per_example(first, second)
-    if losses is not None and not torch.allclose(losses_again.double(), losses.double()[order], rtol=1e-4, atol=1e-6):
+    if losses is not None and not _close(losses_again, losses[order], model):
         raise NotPrivatizableError(
             "DPTrainer: an example's loss changes when the other rows of its micro-batch change (the model's "
             f"per-example losses on rows {order} are not those on rows {list(range(k))} reordered): the model or "
             "`per_example_loss` mixes examples (batch statistics, a batch-wide normalisation ...), so one example "
             "would move other examples' clipped gradients. Fix: compute each example's loss from its own row only.")
     return several
+
+
+def _close(x: torch.Tensor, y: torch.Tensor, model: nn.Module) -> bool:
+    """Equal up to the rounding of the model's dtype and device (`batch_rows.close_enough`)."""
+    weight = next((p for p in model.parameters() if p.is_floating_point()), x)
+    tol = close_enough(weight.dtype, weight.device)
+    return torch.allclose(x.double(), y.double(), rtol=tol, atol=tol)
 
 
 def _losses(trainer, batch: dict) -> torch.Tensor | None:
