@@ -12,7 +12,21 @@ per-example clipping takes for granted, and refuse, naming the culprit, what it 
 - no trained tensor is used outside a call of a module that owns it (`h @ E.T` in a model's forward): neither
   engine sees such a use (they read modules' inputs and output gradients), so its gradient would be wrong.
 
-Cost: two forwards of the model on at most 4 rows, in eval mode, and a few collations.
+Cost: two forwards of the model on at most 4 rows, in eval mode, and a few collations. The probe's batches and
+seeded collations serve these checks only (the global generators are restored after each collation).
+
+    >>> import torch
+    >>> from transformers import default_data_collator
+    >>> from hf_dp_repr.privacy.sampler import ExampleBatchCollator
+    >>> examples = [{"x": torch.tensor([float(i)]), "labels": i} for i in range(3)]
+    >>> check_collator_keeps_examples_apart(ExampleBatchCollator(default_data_collator), examples)["x"].flatten()
+    tensor([0., 1., 2.])
+    >>> def neighbours(features):  # row i = mean of examples i and i + 1
+    ...     batch = default_data_collator(features)
+    ...     return {**batch, "x": (batch["x"] + batch["x"].roll(-1, 0)) / 2}
+    >>> check_collator_keeps_examples_apart(ExampleBatchCollator(neighbours), examples)
+    Traceback (most recent call last):
+    hf_dp_repr.errors.DPConfigError: DPTrainer: the data collator mixes examples: replacing example 0 ...
 """
 
 from __future__ import annotations
@@ -116,8 +130,16 @@ class ParameterUses(TorchFunctionMode):
             if (isinstance(t, nn.Parameter) and t in self.owners
                     and not any(self.running.get(m) for m in self.owners[t])
                     and any(isinstance(o, torch.Tensor) and o.requires_grad for o in tree_flatten(out)[0])):
-                self.outside.setdefault(self.names[t], getattr(func, "__qualname__", getattr(func, "__name__", "?")))
+                self.outside.setdefault(self.names[t], _op_name(func))
         return out
+
+
+def _op_name(func) -> str:
+    """`torch.matmul`, `Tensor.T` (a property's getter), ..."""
+    owner = getattr(func, "__self__", None)
+    if getattr(func, "__name__", "") == "__get__" and hasattr(owner, "__name__"):
+        return f"Tensor.{owner.__name__}"
+    return getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
 
 
 def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
