@@ -88,9 +88,10 @@ def check_collator_keeps_examples_apart(collate, examples: list) -> dict:
                 raise DPConfigError(
                     f"DPTrainer: the data collator mixes examples: replacing example {pos} of a batch of {k} changed "
                     f"row(s) {moved} too, so one example would move other examples' clipped gradients (by more than "
-                    "C in all). DP-SGD clips each row as one example. Fix: a collator whose row i is built from "
-                    "example i alone (e.g. DataCollatorWithPadding, default_data_collator); mix inside an example "
-                    "(in the dataset's map) instead.")
+                    "C in all; a collator that reorders rows is refused too: rows must stay in the examples' order). "
+                    "DP-SGD clips each row as one example. Fix: a collator whose row i is built from example i alone "
+                    "(e.g. DataCollatorWithPadding, default_data_collator); mix inside an example (in the dataset's "
+                    "map) instead.")
             break
     return batch
 
