@@ -25,8 +25,6 @@ Example (runs in seconds on a CPU):
 
 from __future__ import annotations
 
-import contextlib
-
 import datasets
 import torch
 from torch.utils.data import DataLoader
@@ -47,6 +45,7 @@ from .privacy.ledger import PrivacyLedger, PrivacyPlan
 from .privacy.grad_samplers import batch_position_ids
 from .privacy.loss import is_causal_lm, per_example_loss
 from .privacy.optimizer import MicroBatchDPOptimizer
+from .privacy.probe import probe_training_rows
 from .privacy.randomness import DPRandomness
 from .privacy.sampler import (UNIT_KEY, ExampleBatchCollator, PoissonBatchSampler, SamplerEpochCallback,
                               ShuffledBatchSampler)
@@ -300,8 +299,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         batch_position_ids(self.model, inputs)
         # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
         # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
-        recording = self._ghost_engine.recording() if self._ghost_engine is not None else contextlib.nullcontext()
-        with self.accelerator.no_sync(model), recording:
+        with self.accelerator.no_sync(model), self._clipping_recording(len(labels)):
             with self.compute_loss_context_manager():
                 if self._cached_head is not None:
                     outputs = ModelOutput(logits=self.model.get_submodule(self._cached_head)(inputs["features"]))
@@ -324,10 +322,11 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         self._resume_ledger = None
         self._plan = None
         self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
-        if self.train_dataset is not None:  # refuse packed rows before anything trains
+        if self.train_dataset is not None:  # refuse packed or mixed rows, and what clipping cannot see, before work
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
             dataset, collator = self._train_dataset_and_collator()
-            ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
+            self._several_rows = probe_training_rows(self, dataset, ExampleBatchCollator(collator),
+                                                     self._scopes[-1] if self._scopes else None)
         if self.train_dataset is not None and trial is None:  # (a trial's arguments are set by the Trainer later)
             self.privacy_plan()  # refused (e.g. a batch larger than the data) before anything is written
         path = checkpoint_to_resume(self.args.output_dir, resume_from_checkpoint) if resume_from_checkpoint else None

@@ -219,3 +219,13 @@ def test_input_modified_in_place_after_forward_is_refused():
         out = layer(x)
         x.add_(1.0)
         out.pow(2).sum().backward()
+
+
+def test_a_subclass_with_its_own_forward_is_not_factored():
+    """A scaled embedding (Gemma's, BART's) returns 3·E[ids]: factoring it as an Embedding gave norms 3× too small."""
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    assert "no per-example rule" in unsupported_reason(torch.nn.Sequential(Scaled(10, 4)))
+    assert unsupported_reason(torch.nn.Sequential(torch.nn.Embedding(10, 4))) is None

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 from utils import make_token_classification_dataset, make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.feature_store import _FOLDERS, _STORE, clear_feature_cache
+from hf_dp_repr.privacy.probe import PROBE_FORWARDS
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_vit
 
 # 3-4 blocks, so that k = 1 and 2 leave a frozen prefix. GPT-2 is a causal LM on right-padded rows (padding mask,
@@ -73,8 +75,9 @@ def test_cached_prefix_gives_the_same_updates_and_skips_the_frozen_blocks(name, 
     plain.train()
     assert cached._prefix_states is not None and plain._prefix_states is None
     assert_same_updates(cached.model, plain.model, make())
-    # block 0 ran in the feature pass only (once per batch of the data), never in a training step
-    assert len(frozen_calls) == math.ceil(len(data) / EVAL_BATCH)
+    # block 0 ran in the feature pass only (once per batch of the data) and the start-of-training probe (on a few
+    # rows), never in a training step
+    assert len(frozen_calls) == math.ceil(len(data) / EVAL_BATCH) + PROBE_FORWARDS
     assert cached.ledger.history == plain.ledger.history
 
 
@@ -88,6 +91,15 @@ def test_lp_then_ft_trains_both_phases_on_the_cached_states(digits, tmp_path):
     assert_same_updates(cached.model, plain.model, tiny_vit())
 
 
+class ForgetBeforeTraining(TrainerCallback):
+    def __init__(self, seen: dict):
+        self.seen = seen
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        for values in self.seen.values():
+            values.clear()
+
+
 def test_frozen_blocks_run_in_eval_mode_cached_or_not(digits, tmp_path):
     """Dropout in a frozen block would only make its output random (and uncacheable): frozen blocks and the
     embeddings run in eval mode on both paths, the trained block keeps its dropout, and the updates agree."""
@@ -97,6 +109,7 @@ def test_frozen_blocks_run_in_eval_mode_cached_or_not(digits, tmp_path):
     model.vit.layers[0].register_forward_pre_hook(lambda m, a: modes["frozen"].add(m.training))
     model.vit.layers[3].register_forward_pre_hook(lambda m, a: modes["trained"].add(m.training))
     plain = make_trainer(model, data, tmp_path / "p", cache_features=False)
+    plain.add_callback(ForgetBeforeTraining(modes))  # the start-of-training probe runs the model in eval mode
     plain.train()
     assert modes == {"frozen": {False}, "trained": {True}}
     cached = make_trainer(tiny_vit(attention_probs_dropout_prob=0.2), data, tmp_path / "c")
@@ -111,15 +124,17 @@ def test_feature_pass_is_paid_once_per_process_and_reused_for_evaluation(digits,
     calls = count_calls(model.vit.layers[0])
     trainer = make_trainer(model, data, tmp_path / "a", eval_dataset=held_out, eval_strategy="steps", eval_steps=2)
     trainer.train()  # two evaluations
-    passes = math.ceil(len(data) / EVAL_BATCH) + math.ceil(len(held_out) / EVAL_BATCH)
-    assert len(calls) == passes  # one feature pass over the training set, one over the eval set
+    # one feature pass over the training set, one over the eval set (and the start-of-training probe's forwards)
+    passes = math.ceil(len(data) / EVAL_BATCH) + math.ceil(len(held_out) / EVAL_BATCH) + PROBE_FORWARDS
+    assert len(calls) == passes
     cached_eval = trainer.evaluate()
     make_trainer(model, data, tmp_path / "a2").train()  # a second run of the same model on the same data
+    passes += PROBE_FORWARDS  # its probe only
     assert len(calls) == passes
     fresh = tiny_vit()  # a sweep's next trial: a fresh model with the same frozen weights
     fresh_calls = count_calls(fresh.vit.layers[0])
     make_trainer(fresh, data, tmp_path / "b").train()
-    assert fresh_calls == []
+    assert len(fresh_calls) == PROBE_FORWARDS
     # evaluation on the cached states gives what running the whole model gives
     plain = make_trainer(tiny_vit(), data, tmp_path / "c", cache_features=False)
     plain.model.load_state_dict(trainer.model.state_dict())

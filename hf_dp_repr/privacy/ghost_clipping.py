@@ -46,7 +46,10 @@ import torch
 import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
 from torch import nn
+from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 from transformers.pytorch_utils import Conv1D
+
+from .grad_samplers import opt_position_ids
 
 
 FACTORED = (nn.Linear, Conv1D, nn.Embedding, nn.Conv2d)
@@ -56,9 +59,17 @@ def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
 
 
+def _is_factored(module: nn.Module) -> bool:
+    """A linear map the engine factors: one of FACTORED, or a subclass that keeps its forward (a subclass with its
+    own forward, e.g. a scaled embedding, computes something else); OPT's positions are looked up by their ids."""
+    return (isinstance(module, OPTLearnedPositionalEmbedding)
+            or any(isinstance(module, c) and type(module).forward is c.forward for c in FACTORED))
+
+
 def _is_rms_norm(module: nn.Module) -> bool:
-    """HF's RMSNorm modules (Llama, Mistral, Qwen ...): y = weight · x / rms(x), one scale parameter."""
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
+    """HF's RMSNorm modules (Llama, Mistral, Qwen, T5's T5LayerNorm ...): y = weight · x / rms(x), one scale."""
+    return (type(module).__name__.endswith(("RMSNorm", "T5LayerNorm"))
+            and isinstance(getattr(module, "weight", None), nn.Parameter)
             and hasattr(module, "variance_epsilon") and len(list(module.parameters(recurse=False))) == 1)
 
 
@@ -75,7 +86,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         if isinstance(module, nn.Conv2d) and (module.groups != 1 or isinstance(module.padding, str)
                                               or module.padding_mode != "zeros"):
             return f"{name} ({kind}) has groups, string padding or a non-zero padding mode"
-        if isinstance(module, FACTORED) or _is_rms_norm(module) or type(module) in GradSampleModule.GRAD_SAMPLERS:
+        if _is_factored(module) or _is_rms_norm(module) or type(module) in GradSampleModule.GRAD_SAMPLERS:
             continue
         return f"{name} ({kind}) has trained parameters and no per-example rule"
     return None
@@ -169,9 +180,8 @@ def _pieces(module: nn.Module, inputs: tuple, grad: torch.Tensor, trained: set) 
         out.append((module.weight, "factors", left, right))
         if module.bias is not None and module.bias in trained:
             out.append((module.bias, "explicit", g.sum(1)))
-    elif isinstance(module, nn.Embedding):
-        g = _flat(grad)
-        ids = inputs[0].expand(g.shape[0], *inputs[0].shape[1:])  # HF builds position ids with batch 1
+    elif isinstance(module, nn.Embedding):  # inputs[0]: the ids looked up (OPT's positions: see _forward_hook)
+        g, ids = _flat(grad), inputs[0]
         if module.padding_idx is not None:  # PyTorch gives the padding row no gradient
             g = g * (ids.reshape(g.shape[0], -1, 1) != module.padding_idx)
         out.append((module.weight, "factors", _Index(ids, module.num_embeddings), g))
@@ -210,17 +220,21 @@ class GhostClippingEngine:
     the other linear maps keep their two factors until the clip factors are known.
 
     `explicit` records, for tests, which tensors took the materialising path (others never hold (B, *shape)).
+    `several`: paths of modules that see several rows per example, example-major (OPT's MLP sees (B·T, d); found by
+    the probe of `privacy.batch_rows`); their rows are viewed as (B, rows, ...) given `recording(batch_size=B)`.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, several=()):
         self.model = model
+        self.several = {m for name, m in model.named_modules() if name in set(several)}
+        self._batch_size: int | None = None
         self.modules = [m for m in model.modules() if _own_trainable(m)]
         self.params = [p for m in self.modules for p in _own_trainable(m)]
         self._trained = set(self.params)
         self._recording = False
         self._pieces: dict[nn.Parameter, list] = {}
         self.explicit: set[nn.Parameter] = set()
-        self._handles = [m.register_forward_hook(self._forward_hook) for m in self.modules]
+        self._handles = [m.register_forward_hook(self._forward_hook, with_kwargs=True) for m in self.modules]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -232,10 +246,12 @@ class GhostClippingEngine:
         self._pieces = {}
 
     @contextlib.contextmanager
-    def recording(self):
-        """Forward and backward of one micro-batch. Trained tensors are frozen meanwhile, so autograd computes
-        no parameter gradient (the engine forms the clipped one)."""
+    def recording(self, batch_size: int | None = None):
+        """Forward and backward of one micro-batch (of `batch_size` examples: needed with `several`). Trained
+        tensors are frozen meanwhile, so autograd computes no parameter gradient (the engine forms the clipped
+        one)."""
         self.clear()
+        self._batch_size = batch_size
         for p in self.params:
             p.requires_grad_(False)
         self._recording = True
@@ -246,7 +262,7 @@ class GhostClippingEngine:
             for p in self.params:
                 p.requires_grad_(True)
 
-    def _forward_hook(self, module, inputs, output):
+    def _forward_hook(self, module, args, kwargs, output):
         if not self._recording or not torch.is_grad_enabled():
             return None
         if not isinstance(output, torch.Tensor):
@@ -254,7 +270,9 @@ class GhostClippingEngine:
                             "not a tensor; use clipping_engine='hooks'.")
         if not output.requires_grad:  # nothing trained below: the gradient starts here
             output = output.detach().requires_grad_(True)
-        saved = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
+        if isinstance(module, OPTLearnedPositionalEmbedding):  # called with the mask; the ids are a keyword
+            args = (opt_position_ids(module, args, kwargs),)
+        saved = tuple(self._examples_first(module, x.detach()) if isinstance(x, torch.Tensor) else x for x in args)
         versions = [x._version for x in saved if isinstance(x, torch.Tensor)]
         # The hook (and what it holds) lives as long as the graph: a use whose output never reaches the loss
         # costs nothing after the backward.
@@ -267,10 +285,19 @@ class GhostClippingEngine:
             # autograd would refuse too: the norms would be computed on the wrong activations
             raise RuntimeError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
                                "after its forward; use clipping_engine='hooks'.")
-        for p, kind, *data in _pieces(module, inputs, grad.detach(), self._trained):
+        for p, kind, *data in _pieces(module, inputs, self._examples_first(module, grad.detach()), self._trained):
             if kind == "factors" and _materialise_now(*data):
                 kind, data = "explicit", [_materialise(*data)]
             self._pieces.setdefault(p, []).append((kind, *data))
+
+    def _examples_first(self, module, t: torch.Tensor) -> torch.Tensor:
+        """(B·r, ...) → (B, r, ...) for a module that sees r rows per example; other tensors as they are."""
+        if module not in self.several:
+            return t
+        if self._batch_size is None:
+            raise RuntimeError("GhostClippingEngine: modules with several rows per example need "
+                               "recording(batch_size=...).")
+        return t.reshape(self._batch_size, -1, *t.shape[1:])
 
     def has_gradients(self) -> bool:
         return bool(self._pieces)

@@ -1,0 +1,201 @@
+"""The start-of-training probe: on the first (at most 3) training examples, before any step, check what DP-SGD's
+per-example clipping takes for granted, and refuse, naming the culprit, what it cannot clip exactly.
+
+- one row per example (no packing: `validation.check_one_row_per_example`, run by the collator wrapper);
+- the collator keeps examples apart: replacing one example leaves every other row of the collated batch as it
+  was (a collator that mixes rows, e.g. row i = mean of examples i and i + 1, would let one example move every
+  other example's clipped gradient). A collator that draws random numbers (MLM masking) is not checked: its rows
+  change from one call to the next anyway;
+- each example's loss depends on its own row only: the model's per-example losses on the rows reordered, with a
+  copy of the first appended, equal those on the rows as collated;
+- the rows of every hooked module follow the examples (`batch_rows.rows_per_example`), on the same two forwards;
+- no trained tensor is used outside a call of a module that owns it (`h @ E.T` in a model's forward): neither
+  engine sees such a use (they read modules' inputs and output gradients), so its gradient would be wrong.
+
+Cost: two forwards of the model on at most 4 rows, in eval mode, and a few collations. The probe's batches and
+seeded collations serve these checks only (the global generators are restored after each collation).
+
+    >>> import torch
+    >>> from transformers import default_data_collator
+    >>> from hf_dp_repr.privacy.sampler import ExampleBatchCollator
+    >>> examples = [{"x": torch.tensor([float(i)]), "labels": i} for i in range(3)]
+    >>> check_collator_keeps_examples_apart(ExampleBatchCollator(default_data_collator), examples)["x"].flatten()
+    tensor([0., 1., 2.])
+    >>> def neighbours(features):  # row i = mean of examples i and i + 1
+    ...     batch = default_data_collator(features)
+    ...     return {**batch, "x": (batch["x"] + batch["x"].roll(-1, 0)) / 2}
+    >>> check_collator_keeps_examples_apart(ExampleBatchCollator(neighbours), examples)
+    Traceback (most recent call last):
+    hf_dp_repr.errors.DPConfigError: DPTrainer: the data collator mixes examples: replacing example 0 ...
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import DPConfigError, NotPrivatizableError
+from .batch_rows import RowsProbe, close_enough, hooked_modules, rows_per_example
+from .grad_samplers import batch_position_ids
+from .sampler import UNIT_KEY
+
+PROBE_EXAMPLES = 3  # the model runs twice per train(): on these rows, then on 4 (reordered, plus a copy)
+PROBE_FORWARDS, PROBE_ROWS = 2, 2 * PROBE_EXAMPLES + 1  # with a dataset of at least PROBE_EXAMPLES rows
+
+
+def _collate_seeded(collate, examples: list, seed: int) -> dict:
+    """One collation with torch's, numpy's and Python's global generators seeded (and restored after)."""
+    py, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed)
+            return collate(examples)
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+
+
+def _rows(batch: dict, i: int) -> dict:
+    return {k: v[i] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _same(x: dict, y: dict) -> bool:
+    return x.keys() == y.keys() and all(x[k].shape == y[k].shape and torch.equal(x[k], y[k]) for k in x)
+
+
+def check_collator_keeps_examples_apart(collate, examples: list) -> dict:
+    """Collate `examples`; for each position, replace its example by another one that keeps the batch's shapes and
+    check that no other row changes. Returns the batch as collated (seed 0)."""
+    batch = _collate_seeded(collate, examples, 0)
+    k = len(examples)
+    if k < 2 or not _same(batch, _collate_seeded(collate, examples, 1)):
+        return batch  # one example, or a collator that draws random numbers
+    shapes = {key: v.shape for key, v in batch.items() if isinstance(v, torch.Tensor)}
+    for pos in range(k):
+        for other in (j for j in range(k) if j != pos):
+            replaced = _collate_seeded(collate, examples[:pos] + [examples[other]] + examples[pos + 1:], 0)
+            if {key: v.shape for key, v in replaced.items() if isinstance(v, torch.Tensor)} != shapes:
+                continue  # the replacement changed the padded length: try another
+            moved = [i for i in range(k) if i != pos and not _same(_rows(batch, i), _rows(replaced, i))]
+            if moved:
+                raise DPConfigError(
+                    f"DPTrainer: the data collator mixes examples: replacing example {pos} of a batch of {k} changed "
+                    f"row(s) {moved} too, so one example would move other examples' clipped gradients (by more than "
+                    "C in all; a collator that reorders rows is refused too: rows must stay in the examples' order). "
+                    "DP-SGD clips each row as one example. Fix: a collator whose row i is built from example i alone "
+                    "(e.g. DataCollatorWithPadding, default_data_collator); mix inside an example (in the dataset's "
+                    "map) instead.")
+            break
+    return batch
+
+
+class ParameterUses(TorchFunctionMode):
+    """Records the trained tensors that an operation uses (with a gradient-carrying result) while none of the
+    modules owning them is running: `outside` maps the parameter's name to the operation's name."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.names = {p: name for name, p in model.named_parameters() if p.requires_grad}
+        self.owners: dict[nn.Parameter, list[nn.Module]] = {}
+        for m in hooked_modules(model):
+            for p in m.parameters(recurse=False):
+                self.owners.setdefault(p, []).append(m)
+        self.running: dict[nn.Module, int] = {}
+        self.outside: dict[str, str] = {}
+        self._handles = []
+
+    def __enter__(self):
+        for m in {m for ms in self.owners.values() for m in ms}:
+            self._handles.append(m.register_forward_pre_hook(lambda m, a: self._enter(m, 1)))
+            self._handles.append(m.register_forward_hook(lambda m, a, o: self._enter(m, -1), always_call=True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def _enter(self, module, step):
+        self.running[module] = self.running.get(module, 0) + step
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten((args, kwargs))[0]:
+            if (isinstance(t, nn.Parameter) and t in self.owners
+                    and not any(self.running.get(m) for m in self.owners[t])
+                    and any(isinstance(o, torch.Tensor) and o.requires_grad for o in tree_flatten(out)[0])):
+                self.outside.setdefault(self.names[t], _op_name(func))
+        return out
+
+
+def _op_name(func) -> str:
+    """`torch.matmul`, `Tensor.T` (a property's getter), ..."""
+    owner = getattr(func, "__self__", None)
+    if getattr(func, "__name__", "") == "__get__" and hasattr(owner, "__name__"):
+        return f"Tensor.{owner.__name__}"
+    return getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+
+
+def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
+    """Run the checks above with `trainer` (a DPTrainer: its model, input preparation and `per_example_loss`) on the
+    first examples of `dataset`, collated by `collate` (an ExampleBatchCollator), with the tensors of `scope` (the
+    run's widest phase, if any) trained. Returns the paths of the hooked modules that see several rows per example
+    (for the engines); raises DPConfigError / NotPrivatizableError."""
+    examples = [dataset[i] for i in range(min(PROBE_EXAMPLES, len(dataset)))]
+    batch = check_collator_keeps_examples_apart(collate, examples)
+    k = len(examples)
+    order = [0] + list(range(k - 1, 0, -1)) + [0]  # the rows reordered, then a copy of the first
+    again = {key: v[order] if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
+    model = trainer.model
+    training, trained = model.training, {p: p.requires_grad for p in model.parameters()}
+    if scope is not None:
+        scope.apply(model)
+    model.eval()
+    try:
+        first, second, uses = RowsProbe(model, k, copy=False), RowsProbe(model, k + 1, copy=True), ParameterUses(model)
+        with first, uses:
+            losses = _losses(trainer, batch)
+        with second, torch.no_grad():
+            losses_again = _losses(trainer, again)
+    finally:
+        model.train(training)
+        for p, flag in trained.items():
+            p.requires_grad_(flag)
+    if uses.outside:
+        listed = ", ".join(f"{name} (by {op})" for name, op in uses.outside.items())
+        raise NotPrivatizableError(
+            f"DPTrainer: trained parameters are used outside a call of the module that owns them: {listed}. Both "
+            "clipping engines form per-example gradients from module calls, so such a use would be missing from the "
+            "clipped gradient. Fix: use them through a module (e.g. an nn.Linear head whose weight is the embedding: "
+            "`head.weight = embedding.weight; head(h)`), or freeze them (`requires_grad_(False)`).")
+    several = rows_per_example(first, second)
+    if losses is not None and not _close(losses_again, losses[order], model):
+        raise NotPrivatizableError(
+            "DPTrainer: an example's loss changes when the other rows of its micro-batch change (the model's "
+            f"per-example losses on rows {order} are not those on rows {list(range(k))} reordered): the model or "
+            "`per_example_loss` mixes examples (batch statistics, a batch-wide normalisation ...), so one example "
+            "would move other examples' clipped gradients. Fix: compute each example's loss from its own row only.")
+    return several
+
+
+def _close(x: torch.Tensor, y: torch.Tensor, model: nn.Module) -> bool:
+    """Equal up to the rounding of the model's dtype and device (`batch_rows.close_enough`)."""
+    weight = next((p for p in model.parameters() if p.is_floating_point()), x)
+    tol = close_enough(weight.dtype, weight.device)
+    return torch.allclose(x.double(), y.double(), rtol=tol, atol=tol)
+
+
+def _losses(trainer, batch: dict) -> torch.Tensor | None:
+    """Per-example losses as `DPTrainer.training_step` computes them (None without labels: the model runs alone)."""
+    inputs = trainer._prepare_inputs({k: v for k, v in batch.items() if k != UNIT_KEY})
+    labels = inputs.pop("labels", None)
+    batch_position_ids(trainer.model, inputs)
+    outputs = trainer.model(**inputs)
+    return None if labels is None else trainer.per_example_loss(outputs, labels).detach()
