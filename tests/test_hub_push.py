@@ -14,6 +14,7 @@ from utils import HubCapture as _Capture
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
 from hf_dp_repr.hub import HubAccessError, check_hub_access
+from hf_dp_repr.model_card import format_epsilon
 from hf_dp_repr.tiny import tiny_vit
 
 WEIGHTS_LEDGER_CARD = ["README.md", "config.json", "model.safetensors", "privacy_ledger.json"]
@@ -58,7 +59,7 @@ def _push_after_training(trainer, result, hub):
     card = ModelCard(hub.files["README.md"].decode())
     assert "differential-privacy" in card.data.tags and "digits train split" in card.text
     ledger = json.loads(hub.files["privacy_ledger.json"])
-    assert ledger["steps_done"] == 4 and f"**{ledger['epsilon']:.4g}**" in card.text
+    assert ledger["steps_done"] == 4 and f"**{format_epsilon(ledger['epsilon'])}**" in card.text
 
 
 def test_every_save_pushes_weights_ledger_and_card_only(tmp_path, digits, monkeypatch):
@@ -205,7 +206,7 @@ def test_cli_push_sends_the_allow_list_with_a_card_refreshed_from_the_ledger(fin
                                                                              capsys):
     folder = _copy(finished_run, tmp_path / "run")
     ledger = json.loads((folder / "privacy_ledger.json").read_text())
-    eps = f"**{ledger['epsilon']:.4g}**"
+    eps = f"**{format_epsilon(ledger['epsilon'])}**"
     stale = (folder / "README.md").read_text()
     assert eps in stale
     (folder / "README.md").write_text(stale.replace(eps, "**999**"))  # refreshed from the ledger below
