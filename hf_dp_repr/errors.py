@@ -34,6 +34,11 @@ class OutOfReachError(DPConfigError):
     """No σ makes the run spend as little as the target ε (below the accountant's floor)."""
 
 
+class TuningDataError(DPConfigError):
+    """A hyperparameter search's `tuning_data` does not match its data: a public or held-out search on a private
+    training set, or a DP run on the data a search tuned on."""
+
+
 # ---- refused during or around a run (a RuntimeError: the state of the run or of the world) ----------------------
 class PrivacyBudgetExhaustedError(HfDpReprError, RuntimeError):
     """Another noisy step would spend more than the planned budget: every planned DP step is done."""
@@ -48,4 +53,4 @@ class HubAccessError(HfDpReprError, RuntimeError):
 
 
 __all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
-           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError"]
+           "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError"]
