@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from .config import DPTrainingArguments  # noqa: E402
 from .errors import (AuditDataError, CheckpointMismatchError, DPConfigError, HfDpReprError,  # noqa: E402
                      HubAccessError, NotPrivatizableError, OutOfReachError, OutputDirError, PrivacyBudgetExhaustedError,
-                     ScopeError)
+                     ScopeError, TuningDataError)
 from .quiet import silence_known_noise  # noqa: E402
 from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon  # noqa: E402
 from .privacy.ledger import PrivacyLedger, PrivacyPlan  # noqa: E402
@@ -15,4 +15,5 @@ silence_known_noise()  # warnings that ask for no action, by message only (see q
 
 __all__ = ["DPTrainer", "DPTrainingArguments", "PrivacyLedger", "PrivacyPlan", "calibrate_noise_multiplier",
            "compute_epsilon", "HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
-           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError", "AuditDataError"]
+           "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError",
+           "AuditDataError"]

@@ -4,8 +4,10 @@ Example:
     >>> from hf_dp_repr import DPTrainingArguments
     >>> args = DPTrainingArguments(output_dir="out", target_epsilon=8.0, target_delta=1e-5,
     ...                            per_sample_max_grad_norm=1.0, report_to="none")
-    >>> args.accountant, args.poisson_sampling, args.clipping
-    ('prv', True, 'flat')
+    >>> args.accountant, args.neighboring, args.poisson_sampling, args.clipping
+    ('pld', 'replace_one', True, 'flat')
+    >>> DPTrainingArguments(output_dir="out", target_epsilon=8.0, accountant="prv", report_to="none").neighboring
+    'add_remove'
 """
 
 from __future__ import annotations
@@ -53,16 +55,19 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "C: each example's gradient is clipped to L2 norm C before summing and noising."},
     )
     accountant: str = field(
-        default="prv",
-        metadata={"help": "Privacy accountant: 'prv' (Opacus, default), 'rdp' (Opacus) or 'pld' (dp_accounting; "
-                  "needed for neighboring='replace_one'). 'gdp' is refused: it under-reports ε.",
-                  "choices": ACCOUNTANTS},
+        default="pld",
+        metadata={"help": "Privacy accountant: 'pld' (dp_accounting's privacy loss distributions, default; the only "
+                  "one for neighboring='replace_one'), 'prv' or 'rdp' (Opacus; add/remove neighbours only). 'gdp' "
+                  "is refused: it under-reports ε.", "choices": ACCOUNTANTS},
     )
-    neighboring: str = field(
-        default="add_remove",
-        metadata={"help": "What ε protects: 'add_remove' (datasets differing by one example added or removed; n is "
-                  "treated as private) or 'replace_one' (one example replaced; use it if n is public, as in the "
-                  "ledger and model card; needs accountant='pld'; larger ε).", "choices": NEIGHBORING_RELATIONS},
+    neighboring: str | None = field(
+        default=None,
+        metadata={"help": "What ε protects: 'replace_one' (datasets of the same size n differing in one example; the "
+                  "relation that holds when n is published, as the ledger and the model card do) or 'add_remove' "
+                  "(one example added or removed: n, and the sample rate, steps and epochs that reveal it, must stay "
+                  "secret; Opacus' setting, smaller ε; the card then states the run's replace-one ε as its "
+                  "guarantee). Default: what the accountant computes, 'replace_one' for 'pld', 'add_remove' for "
+                  "'prv' and 'rdp'.", "choices": NEIGHBORING_RELATIONS},
     )
     noise_seed: int | None = field(
         default=None,
@@ -263,6 +268,8 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         if value is not None and value < 1:
             raise DPConfigError(f"DPTrainingArguments: {name}={value} must be >= 1: the logical batch (per-device "
                              "batch × gradient_accumulation_steps × processes) sets the sampling rate q = batch / n.")
+    if args.neighboring is None:  # what the accountant computes: Opacus' accountants know add/remove only
+        args.neighboring = "replace_one" if args.accountant == "pld" else "add_remove"
     try:
         check_accountant(args.accountant, args.neighboring)
     except ValueError as err:

@@ -39,6 +39,11 @@ class AuditDataError(HfDpReprError, ValueError):
     ledger's n): the attack's numbers would be about other examples."""
 
 
+class TuningDataError(DPConfigError):
+    """A hyperparameter search's `tuning_data` does not match its data: a public or held-out search on a private
+    training set, or a DP run on the data a search tuned on."""
+
+
 # ---- refused during or around a run (a RuntimeError: the state of the run or of the world) ----------------------
 class PrivacyBudgetExhaustedError(HfDpReprError, RuntimeError):
     """Another noisy step would spend more than the planned budget: every planned DP step is done."""
@@ -57,4 +62,4 @@ class HubAccessError(HfDpReprError, RuntimeError):
 
 
 __all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError", "AuditDataError",
-           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError"]
+           "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError"]

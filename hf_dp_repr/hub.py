@@ -7,9 +7,11 @@ state, cached features, public pre-training, logs) is ever sent:
 - the model: `config.json`, `*.safetensors` (or `pytorch_model*.bin`), `generation_config.json`, LoRA adapters,
   tokenizer / image-processor files;
 - `all_results.json` and `eval_results.json`, refused if they hold a `train_*` metric (computed on private data
-  outside DP-SGD; `DPTrainer.save_metrics` never writes one);
+  outside DP-SGD) or `total_flos` (6 · parameters · Σ|B_t|: the sizes of the secret Poisson batches);
+  `DPTrainer.save_metrics` never writes them;
 - `representation_law.json` and the `*.png` plots;
-- `privacy_ledger.json` (required: a DP model is never pushed without the record of its guarantee);
+- `privacy_ledger.json` (required: a DP model is never pushed without the record of its guarantee), and
+  `hp_search.json` beside a model selected by a private hyperparameter search (the search's ε, stated by the card);
 - `README.md`: the DP model card (`hf_dp_repr.model_card`).
 
 The pushes: `push_dp_model(trainer)` (after training; `DPTrainer.push_to_hub()` saves and calls it),
@@ -40,7 +42,7 @@ import os
 from pathlib import Path
 
 from .errors import HubAccessError  # noqa: F401  (defined in errors.py, importable from here as before)
-from .model_card import CARD_FILE, write_model_card
+from .model_card import CARD_FILE, SEARCH_FILE, write_model_card
 from .privacy.ledger import LEDGER_FILE
 
 ALLOW_PATTERNS = [
@@ -50,7 +52,7 @@ ALLOW_PATTERNS = [
     "preprocessor_config.json", "processor_config.json", "chat_template.*",
     "all_results.json", "eval_results.json",
     "representation_law.json", "*.png", "canary_audit.json",
-    LEDGER_FILE, CARD_FILE,
+    LEDGER_FILE, CARD_FILE, SEARCH_FILE,
 ]  # fmt: skip
 # Never sent, whatever the allow-list says: anything in a subfolder (checkpoints, public pre-training, logs), and
 # the Trainer's files that hold private statistics or the seed.
@@ -73,19 +75,21 @@ def files_to_push(folder: str | os.PathLike) -> list[str]:
 
 # ---- metrics: nothing computed on the private data ------------------------------------------------------------
 def is_private_metric(key: str) -> bool:
-    """`train_*` metrics (the training loss, ...) are computed on the private data outside DP-SGD."""
-    return key.startswith("train_")
+    """`train_*` metrics (the training loss, ...) are computed on the private data outside DP-SGD; the Trainer's
+    `total_flos` counts the examples of every sampled batch, which the accountant treats as secret."""
+    return key.startswith("train_") or key == "total_flos"
 
 
 def public_metrics(metrics: dict) -> dict:
-    """`metrics` without its `train_*` keys, with ε = ∞ (and any non-finite number) as null so the JSON is valid."""
+    """`metrics` without its `train_*` and `total_flos` keys, with ε = ∞ (and any non-finite number) as null so
+    the JSON is valid."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in metrics.items() if not is_private_metric(k)}
 
 
 def save_public_metrics(output_dir: str | os.PathLike, split: str, metrics: dict, combined: bool = True) -> None:
     """`Trainer.save_metrics` for a DP run: `{split}_results.json` (and, if `combined`, `all_results.json`, merged
-    with what is there) without `train_*` keys and as valid JSON."""
+    with what is there) without `train_*` and `total_flos` keys and as valid JSON."""
     path = Path(output_dir) / f"{split}_results.json"
     path.write_text(json.dumps(public_metrics(metrics), indent=4, sort_keys=True, allow_nan=False))
     if combined:
@@ -95,7 +99,8 @@ def save_public_metrics(output_dir: str | os.PathLike, split: str, metrics: dict
 
 
 def check_pushable(folder: str | os.PathLike) -> None:
-    """Refuse a folder without a readable privacy ledger, or whose metrics files hold private (`train_*`) keys."""
+    """Refuse a folder without a readable privacy ledger, or whose metrics files hold private (`train_*`,
+    `total_flos`) keys."""
     folder = Path(folder)
     ledger = folder / LEDGER_FILE
     if not ledger.is_file():
@@ -111,7 +116,8 @@ def check_pushable(folder: str | os.PathLike) -> None:
             private = sorted(k for k in json.loads(path.read_text()) if is_private_metric(k))
             if private:
                 raise ValueError(f"push: {path} holds {', '.join(private)}, computed on the private data outside "
-                                 "DP-SGD. Remove those keys (DPTrainer.save_metrics never writes them) and push again.")
+                                 "DP-SGD (or, for total_flos, on the secret batch sizes). Remove those keys "
+                                 "(DPTrainer.save_metrics never writes them) and push again.")
 
 
 # ---- access --------------------------------------------------------------------------------------------------------

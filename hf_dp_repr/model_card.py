@@ -5,6 +5,12 @@ pushed to the Hub states the guarantee: ε (from the accountant), δ, accountant
 clipping norm, sampling, steps, epochs, dataset size, public vs private data, trained scope, library versions,
 evaluation metrics (`all_results.json`) and the representation-law fits (`representation_law.json`).
 
+The card and the ledger state n (and the sample rate, steps and epochs, which reveal it), so the guarantee the card
+states is the one that holds with n public: for replace-one neighbours. A run planned for add/remove neighbours
+gets its replace-one ε (dp_accounting's PLD on the same history) as the headline, and its add/remove ε beside it
+with the condition it needs. A model selected by a hyperparameter search on the private data (`hp_search.json`
+beside it) states the whole search's ε. Every ε is rounded up, never down.
+
 What the trainer cannot know, the caller declares with `DPTrainer(..., model_card_info=ModelCardInfo(...))`
 (all fields optional; see `ModelCardInfo`). It is kept in the card's metadata (`hf_dp_repr`), so that
 `refresh_model_card(folder)` (e.g. `hf-dp-repr push`) renders the card again from the folder alone.
@@ -29,6 +35,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
+from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 
@@ -41,6 +48,7 @@ TEMPLATE_NAME = "dp_model_card.md"
 RESULTS_FILE = "all_results.json"
 LAW_FILE = "representation_law.json"
 CANARY_AUDIT_FILE = "canary_audit.json"  # opt-in: hf_dp_repr.audit.canaries.save_canary_audit
+SEARCH_FILE = "hp_search.json"  # a private hyperparameter search's cost, beside the trial it selected
 CARD_FILE = "README.md"
 TAGS = ["differential-privacy", "dp-sgd", "opacus", "hf-dp-repr"]
 NON_PRIVATE_TAGS = ["non-private-reference", "hf-dp-repr"]
@@ -50,8 +58,9 @@ RANDOMNESS = {
     "seeded": "seeded with noise_seed: NOT private, anyone who knows the seed can remove the noise",
 }
 NEIGHBORING = {
-    "add_remove": "add/remove one example (n is treated as private)",
-    "replace_one": "replace one example",
+    "add_remove": "add/remove one example for the plan's ε, which needs n secret; replace one example for the "
+                  "guarantee above",
+    "replace_one": "replace one example (n is public: this card states it)",
 }
 _VERSIONED = ("hf_dp_repr", "torch", "transformers", "opacus", "accelerate", "datasets", "peft", "huggingface_hub")
 
@@ -116,8 +125,13 @@ def write_model_card(trainer, output_dir: str | os.PathLike) -> ModelCard:
     model = getattr(trainer, "model", None)
     if "base_model" not in info and model is not None:
         info["base_model"] = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    card = render_model_card(ledger, model_card_info=info, scope=scope, output_dir=output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    search = getattr(trainer, "_search_record", None)  # the model was selected by a private search: its cost
+    if search:
+        (output_dir / SEARCH_FILE).write_text(json.dumps(search, indent=2))
+    elif (output_dir / SEARCH_FILE).is_file():
+        (output_dir / SEARCH_FILE).unlink()  # from a model saved here before, not this one
+    card = render_model_card(ledger, model_card_info=info, scope=scope, output_dir=output_dir)
     card.save(output_dir / CARD_FILE)
     return card
 
@@ -150,10 +164,11 @@ def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | N
     results = _load_json(Path(output_dir) / RESULTS_FILE) if output_dir is not None else None
     laws = _load_json(Path(output_dir) / LAW_FILE) if output_dir is not None else None
     audit = _load_json(Path(output_dir) / CANARY_AUDIT_FILE) if output_dir is not None else None
+    search = _load_json(Path(output_dir) / SEARCH_FILE) if output_dir is not None else None
     base_model = info.get("base_model")
     hub_base = base_model if _looks_like_hub_id(base_model) else None
     datasets_ = [d for d in info.get("datasets", []) if _looks_like_hub_id(d)]
-    values = _template_values(ledger, info, scope, results, laws)
+    values = _template_values(ledger, info, scope, results, laws, search)
     values["canary_audit"] = _audit_row(audit)
     card_data = ModelCardData(
         library_name="transformers", tags=list(TAGS if values["private"] else NON_PRIVATE_TAGS), base_model=hub_base,
@@ -163,7 +178,8 @@ def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | N
     return ModelCard.from_template(card_data, template_path=template_path(), **values)
 
 
-def _template_values(led: dict, info: dict, scope: str, results: dict | None, laws: dict | None) -> dict:
+def _template_values(led: dict, info: dict, scope: str, results: dict | None, laws: dict | None,
+                     search: dict | None = None) -> dict:
     phases = led.get("phases") or [dict(name="train", noise_multiplier=led["noise_multiplier"],
                                         sample_rate=led["sample_rate"], steps=led["planned_steps"],
                                         expected_batch_size=led["expected_batch_size"])]
@@ -182,29 +198,36 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
         sigma_text = "per phase, see the table below"
         sampling = f"{kind} batches, per phase (see the table below)"
     target = led.get("target_epsilon")
-    summary = (f"(ε = {_fmt(eps)}, δ = {led['target_delta']:g})-differentially private." if private and eps is not None
-               else "Not differentially private: a non-private reference run (noise_multiplier = 0).")
+    neighboring = led.get("neighboring", "add_remove")
+    claim = _release_claim(led, history, neighboring, search) if private and eps is not None else None
+    summary = (claim["summary"] if claim else
+               "Not differentially private: a non-private reference run (noise_multiplier = 0).")
     if private and led.get("randomness") == "seeded":
         summary += (" **Not private as released:** the noise was seeded with `noise_seed`, and anyone who knows "
                     "the seed can remove it.")
     name = info.get("model_name")
+    headline = claim["epsilon"] if claim else eps
     if private:
-        title = f"{name} (DP-SGD, ε = {_fmt(eps)})" if name else "DP fine-tuned model"
+        title = f"{name} (DP-SGD, ε = {format_epsilon(headline)})" if name else "DP fine-tuned model"
     else:
         title = f"{name}: non-private reference" if name else "Non-private reference model"
     last_batch = phases[-1]["expected_batch_size"]
     steps_per_epoch = max(1, n // last_batch)  # as DPTrainer's dataloader (and so the Trainer) counts an epoch
-    randomness, neighboring = led.get("randomness", "os-entropy"), led.get("neighboring", "add_remove")
+    randomness = led.get("randomness", "os-entropy")
     unit = led.get("privacy_unit", ROW)
     units_word = "examples" if unit == ROW else "units"
     return dict(
         model_name=title,
         summary=summary,
         private=private,
-        epsilon_text=_fmt(eps) if eps is not None else "not computed",
+        epsilon_text=format_epsilon(headline) if headline is not None else "not computed",
+        epsilon_label=claim["label"] if claim else "ε (spent, computed by the accountant)",
+        epsilon_rows=claim["rows"] if claim else [],
+        guarantee_note=claim["note"] if claim else "",
         delta=f"{led['target_delta']:g}",
         target_epsilon_text=_fmt(target) if target is not None else "none (σ given)",
         accountant=led["accountant"],
+        accountant_text=f"{led['accountant']} ({'dp_accounting' if led['accountant'] == 'pld' else 'Opacus'})",
         sigma_text=sigma_text,
         clip_norm=_fmt(led["per_sample_max_grad_norm"]),
         clipping=led["clipping"],
@@ -237,6 +260,40 @@ def _template_values(led: dict, info: dict, scope: str, results: dict | None, la
         has_results=results is not None,
         has_laws=laws is not None,
     )
+
+
+def _release_claim(led: dict, history: list, neighboring: str, search: dict | None) -> dict:
+    """The guarantee of what is released beside the model, which states n: ε for replace-one neighbours (the
+    plan's ε, or for an add/remove plan its replace-one ε by dp_accounting's PLD), or the whole search's ε when a
+    private hyperparameter search selected the model. Returns the headline ε, its label, the other ε rows, the
+    summary line and a note for the paragraph under the table."""
+    fmt, delta = format_epsilon, f"{led['target_delta']:g}"
+    run, notes, rows = led["epsilon"], [], []
+    if neighboring != "replace_one":
+        from .privacy.accounting import compute_epsilon
+
+        run = compute_epsilon([tuple(h) for h in history], led["target_delta"], "pld", "replace_one")
+        notes.append("The replace-one ε is dp_accounting's privacy loss distribution (pld) on the same history.")
+    if search:
+        headline, label = search["epsilon_replace_one"], "ε of the whole hyperparameter search (the guarantee)"
+        rows.append(("ε of the selected trial's run alone (not the guarantee)", fmt(run)))
+        summary = (f"(ε = {fmt(headline)}, δ = {delta})-differentially private, for replace-one neighbours: the "
+                   "whole hyperparameter search on the private data that selected this model (Papernot & Steinke "
+                   f"2022; {search['trial_count']}, a secret number of trials). The tables below describe the "
+                   f"selected trial's own run, whose ε alone ({fmt(run)}) is not the guarantee.")
+        notes.append("The whole search's ε is the Papernot-Steinke bound over every schedule the search could draw "
+                     "(`hf_dp_repr.tuning.selection_privacy`).")
+    else:
+        headline, label = run, ("ε (spent, computed by the accountant)" if neighboring == "replace_one"
+                                else "ε for replace-one neighbours (the guarantee)")
+        summary = (f"(ε = {fmt(run)}, δ = {delta})-differentially private, for replace-one neighbours (n is "
+                   "public: this card states it).")
+    if neighboring != "replace_one":
+        plan_eps = search["epsilon"] if search else led["epsilon"]
+        rows.append(("ε for add/remove neighbours (the plan's; needs n secret)", fmt(plan_eps)))
+        summary += (f" The run was planned for add/remove neighbours, ε = {fmt(plan_eps)}; that holds only while n "
+                    "and what reveals it (sample rate, steps, epochs) stay secret, and this card states them.")
+    return dict(epsilon=headline, label=label, rows=rows, summary=summary, note=" ".join(notes))
 
 
 def _audit_row(audit: dict | None) -> dict | None:
@@ -279,6 +336,15 @@ def _versions() -> list[tuple[str, str]]:
         except PackageNotFoundError:
             continue
     return out
+
+
+def format_epsilon(v) -> str:
+    """ε to 4 significant digits, rounded up: a stated ε is never below the accountant's."""
+    text = _fmt(v)
+    if isinstance(v, float) and math.isfinite(v) and float(text) < v:
+        last = Decimal(text).as_tuple().exponent  # the place of the last digit shown
+        text = _fmt(float(Decimal(text) + Decimal(1).scaleb(last)))
+    return text
 
 
 def _fmt(v) -> str:

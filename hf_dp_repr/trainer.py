@@ -319,6 +319,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
 
     # ---- run, log, save -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        self._check_training_data()  # not the data a search of this trainer tuned on (trainer_search)
         self._resume_ledger = None
         self._plan = None
         self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
@@ -355,7 +356,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         return output
 
     def epsilon(self) -> float | None:
-        """ε spent so far (computed by the ledger's Opacus accountant), None before training."""
+        """ε spent so far (computed by the ledger's accountant, for its neighbouring relation), None before training."""
         if self.ledger is None:
             return None
         steps = self.ledger.steps_done

@@ -3,6 +3,8 @@ search itself is `hf_dp_repr.tuning.search`)."""
 
 from __future__ import annotations
 
+import copy
+
 from .head_init import init_head
 from .privacy.validation import check_model_is_privatizable
 from .scope import phase_scopes
@@ -37,3 +39,42 @@ class DPSearchMixin:
             if self._scopes:
                 self._scopes[-1].apply(self.model)
             self._dp_optimizer = None
+
+    def _check_training_data(self) -> None:
+        """First thing a `train()` outside a search does: refuse the data this trainer's search tuned on (see
+        `hf_dp_repr.tuning.tuning_data`); a new run is not the model a private search selected."""
+        if getattr(self, "_dp_search", None) is not None:  # a trial of the search
+            return
+        from .tuning.tuning_data import check_training_data
+
+        check_training_data(self)
+        self._search_record = None
+
+    # ---- after a search: the best trial's own record, nothing of the others ----------------------------------
+    def _trial_record(self) -> dict:
+        """What the best trial leaves: its weights, arguments, ledger, state and score (copies)."""
+        return {"weights": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                "args": copy.deepcopy(self.args), "ledger": copy.deepcopy(self.ledger),
+                "state": copy.deepcopy(self.state), "objective": self.objective}
+
+    def _end_search(self, before: dict, record: dict | None, data: tuple[str, str]) -> None:
+        """Put the trainer back as it was before the search (`before`: its attributes then), so that no trial's
+        model, optimizer, secret, optuna trial or logs stay reachable, then give it the best trial's own weights,
+        scope, ledger and state (`record`, or none). `data` is (fingerprint, tuning_data) of what it tuned on."""
+        self.__dict__.clear()
+        self.__dict__.update(before)
+        self._searched_data = {**(before.get("_searched_data") or {}), data[0]: data[1]}
+        handler = self.callback_handler  # the Trainer set the last trial's objects on it, in place
+        handler.optimizer = handler.lr_scheduler = handler.train_dataloader = handler.eval_dataloader = None
+        if record is not None:
+            self.model = self.call_model_init()
+            self.model.load_state_dict(record["weights"])
+            trial = record["args"]
+            self._scopes = phase_scopes(self.model, trial.trainable_blocks, trial.lp_steps, trial.block_stack,
+                                        trial.trainable_groups)
+            if self._scopes:
+                self._scopes[-1].apply(self.model)
+            self.ledger, self._plan = record["ledger"], record["ledger"].plan
+            self.state, self.objective = record["state"], record["objective"]
+            self.state.trial_name = None  # hp_name(trial) may hold the trial's number, a bound on K
+        self.model_wrapped = handler.model = self.model

@@ -16,6 +16,16 @@ from utils import make_token_dataset  # noqa: E402  (helpers shared by test file
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _each_test_is_a_process_of_its_own():
+    """hf_dp_repr.tuning.tuning_data remembers the private training sets of the process (a public-mode search on one
+    is refused); tests reuse the same digits rows for unrelated scenarios."""
+    yield
+    from hf_dp_repr.tuning.tuning_data import forget
+
+    forget()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and 2 OpenMP threads on a busy 2-core machine ran up to 100×

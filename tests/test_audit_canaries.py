@@ -81,10 +81,11 @@ def audits(digits, tmp_path_factory):
     """The three runs on the same canaries and inclusion draw."""
     tmp = tmp_path_factory.mktemp("canary-audit")
     control = _audit(digits, TrainingArguments(**_common(tmp / "control")))
-    dp_eps1 = _audit(digits, DPTrainingArguments(target_epsilon=1.0, target_delta=1e-5, noise_seed=0,
+    add_remove = dict(neighboring="add_remove")  # canaries added or left out test an add/remove claim
+    dp_eps1 = _audit(digits, DPTrainingArguments(target_epsilon=1.0, target_delta=1e-5, noise_seed=0, **add_remove,
                                                  **_common(tmp / "dp")))
     clip_only = _audit(digits, DPTrainingArguments(noise_multiplier=0.0, target_delta=1e-5, noise_seed=0,
-                                                   **_common(tmp / "clip")))
+                                                   **add_remove, **_common(tmp / "clip")))
     return control, dp_eps1, clip_only
 
 

@@ -46,7 +46,8 @@ def test_zero_batch_sizes_are_refused_by_name(name, tmp_path):
 
 def test_a_budget_below_the_accountants_floor_says_what_is_reachable(digits, tmp_path):
     args = DPTrainingArguments(output_dir=str(tmp_path / "out"), target_epsilon=1e-3, target_delta=1e-4,
-                               per_device_train_batch_size=64, max_steps=50, report_to="none", disable_tqdm=True)
+                               per_device_train_batch_size=64, max_steps=50, report_to="none", disable_tqdm=True,
+                               accountant="prv")
     trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
     with pytest.raises(ValueError, match=r"target_epsilon=0.001 .*'prv' accountant can certify") as e:
         trainer.train()

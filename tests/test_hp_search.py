@@ -2,7 +2,9 @@
 search on private data may not do is refused."""
 
 import csv
+import json
 import os
+import re
 
 import numpy as np
 import optuna
@@ -20,12 +22,13 @@ def accuracy(p):
     return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
 
 
-def make_trainer(digits, tmp_path, n=256, **kw):
+def make_trainer(digits, tmp_path, n=256, data=None, **kw):
     kw = {"eval_strategy": "no", "accountant": "rdp", **kw}  # RDP: calibrating σ costs less CPU than PRV
     args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=TARGET, target_delta=1e-4, report_to="none",
                                save_strategy="no", disable_tqdm=True, logging_strategy="no",
                                per_device_eval_batch_size=512, **kw)
-    return DPTrainer(model_init=lambda: tiny_vit(), args=args, train_dataset=digits["train"].select(range(n)),
+    data = digits["train"].select(range(n)) if data is None else data
+    return DPTrainer(model_init=lambda: tiny_vit(), args=args, train_dataset=data,
                      eval_dataset=digits["test"].select(range(120)), compute_metrics=accuracy)
 
 
@@ -155,3 +158,152 @@ def test_default_space_gives_valid_dp_arguments_for_every_draw(digits, tmp_path)
         assert a.per_device_train_batch_size <= 128 and a.clipping in ("flat", "automatic")
         phase_scopes(tiny_vit(), a.trainable_blocks, a.lp_steps, None, a.trainable_groups)  # every scope is valid
     assert (0, None) in seen and (None, "biases,head") in seen and (None, None) in seen
+
+
+# ---- a private search releases its best trial and nothing else ----------------------------------------------------
+MADE = []  # every model model_init made (module-level: not reachable from the trainer through model_init)
+
+
+def counted_tiny_vit():
+    MADE.append(tiny_vit())
+    return MADE[-1]
+
+
+def reachable(root, wanted):
+    """The objects `wanted(obj)` picks that can be reached from `root` through attributes, containers, bound
+    methods, closures and partials (not through modules, classes or a function's globals)."""
+    import functools
+    import types
+
+    import torch
+
+    seen, stack, found = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, str, bytes, int, float, torch.Tensor)):
+            continue
+        seen.add(id(obj))
+        if wanted(obj):
+            found.append(obj)
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            stack.extend([obj.__self__, obj.__func__])
+        elif isinstance(obj, types.FunctionType):
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None)
+            stack.extend(obj.__defaults__ or ())
+        elif isinstance(obj, functools.partial):
+            stack.extend([obj.func, obj.args, obj.keywords])
+        if hasattr(obj, "__dict__") and not isinstance(obj, types.FunctionType):
+            stack.extend(vars(obj).values())
+        for name in getattr(type(obj), "__slots__", ()):
+            if hasattr(obj, name):
+                stack.append(getattr(obj, name))
+    return found
+
+
+def test_a_private_search_leaves_the_best_trial_its_own_record_and_nothing_of_the_others(digits, tmp_path,
+                                                                                        monkeypatch):
+    from optuna.study import Study
+    from optuna.trial import BaseTrial
+    from torch.optim import Optimizer
+
+    from hf_dp_repr.privacy.randomness import DPRandomness
+    from hf_dp_repr.tuning.search import DPSearch
+
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng=None: 3)  # K is secret and random; fixed here
+    scores = iter([3.0, 2.0, 1.0])  # the first trial is the best: the other two differ from it
+    MADE.clear()
+    trainer = make_trainer(digits, tmp_path)
+    trainer.model_init = counted_tiny_vit
+
+    def space(t):  # data-free: the first trial draws batch 50 and 3 steps, the others batch 20 and 2 steps
+        t.suggest_categorical("per_device_train_batch_size", [20, 50])
+        t.suggest_categorical("max_steps", [2, 3])
+        first = t.number == 0
+        return {"per_device_train_batch_size": 50 if first else 20, "max_steps": 3 if first else 2}
+
+    best = trainer.hyperparameter_search(hp_space=space, compute_objective=lambda metrics: next(scores),
+                                         direction="maximize", tuning_data="private",
+                                         trial_count=TrialCount.geometric(0.5), eval_data_public=True)
+    assert best.objective == 3.0
+    # on disk: the best trial's own ledger, and a card that states the whole search's ε
+    ledger = json.loads((tmp_path / "best_trial" / "privacy_ledger.json").read_text())
+    assert [(p["expected_batch_size"], p["steps"]) for p in ledger["phases"]] == [(50, 3)]
+    card = (tmp_path / "best_trial" / "README.md").read_text()
+    assert "(expected logical batch 50)" in card and "| steps taken / planned | 3 / 3 |" in card
+    (row,) = read_rows(tmp_path)
+    stated = float(re.search(r"\(ε = ([\d.]+), δ = 0.0001\)-differentially private", card).group(1))
+    curves = {relation: np.max([rdp_curve(plan_run(DPTrainingArguments(
+        output_dir=str(tmp_path), target_epsilon=TARGET, target_delta=1e-4, max_steps=steps, accountant="rdp",
+        per_device_train_batch_size=batch, report_to="none"), 256).history(), neighboring=relation)
+        for steps in (2, 3) for batch in (20, 50)], axis=0) for relation in ("add_remove", "replace_one")}
+    totals = {r: search_epsilon(c, TrialCount.geometric(0.5), 1e-4) for r, c in curves.items()}
+    assert float(row["epsilon_search_total"]) == pytest.approx(totals["add_remove"], rel=1e-9)  # the plan's relation
+    assert totals["replace_one"] <= stated <= totals["replace_one"] * 1.001  # the card: what holds with n stated
+    assert "hyperparameter search on the private data" in card
+    # on the trainer: the best trial's weights, ledger and state; no trial, study, optimizer, secret or other model
+    assert trainer.ledger.to_dict() == ledger and trainer.state.global_step == 3
+    assert {e["step"] for e in trainer.state.log_history} == {3} and trainer.objective == 3.0
+    assert getattr(trainer, "_trial", None) is None
+    trial_models = {id(m) for m in MADE[:-1]}  # one per trial; MADE[-1]: the best trial's weights, reloaded
+    assert len(trial_models) == 3 and trainer.model is MADE[-1]
+    leaks = reachable(trainer, lambda o: isinstance(o, (BaseTrial, Study, DPSearch, DPRandomness, Optimizer))
+                      or id(o) in trial_models)
+    assert leaks == []
+
+
+def test_a_private_search_with_a_privacy_unit_counts_units(digits, tmp_path, monkeypatch):
+    monkeypatch.setattr(TrialCount, "sample", lambda self, rng=None: 1)
+    data = digits["train"].select(range(300)).add_column("user_id", [i // 5 for i in range(300)])  # 60 users
+    trainer = make_trainer(digits, tmp_path, data=data, privacy_unit="user_id")
+    space = lambda t: {"max_steps": t.suggest_categorical("max_steps", [2]),  # noqa: E731
+                       "per_device_train_batch_size": t.suggest_categorical("per_device_train_batch_size", [10])}
+    trainer.hyperparameter_search(hp_space=space, direction="maximize", tuning_data="private",
+                                  trial_count=TrialCount.geometric(0.5), eval_data_public=True)
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=TARGET, target_delta=1e-4, max_steps=2,
+                               per_device_train_batch_size=10, report_to="none", accountant="rdp",
+                               privacy_unit="user_id")
+    by_units = search_epsilon(rdp_curve(plan_run(args, 60).history()), TrialCount.geometric(0.5), 1e-4)
+    by_rows = search_epsilon(rdp_curve(plan_run(args, 300).history()), TrialCount.geometric(0.5), 1e-4)
+    (row,) = read_rows(tmp_path)
+    assert float(row["epsilon_search_total"]) == pytest.approx(by_units, rel=1e-9) and by_units > by_rows * 1.01
+    assert json.loads((tmp_path / "best_trial" / "privacy_ledger.json").read_text())["dataset_size"] == 60
+
+
+def test_public_tuning_on_the_private_training_set_is_refused(digits, tmp_path):
+    from hf_dp_repr import TuningDataError
+
+    one_step = lambda t: {"max_steps": t.suggest_categorical("max_steps", [1])}  # noqa: E731
+    # A DP run on the data, then a search that calls the same data public: refused before any work.
+    trainer = make_trainer(digits, tmp_path / "a", n=200, max_steps=1)
+    trainer.train()
+    with pytest.raises(TuningDataError, match=r"tuning_data='public'.*private training set.*tuning_data='private'"):
+        trainer.hyperparameter_search(hp_space=one_step, n_trials=1)
+    same_rows = make_trainer(digits, tmp_path / "b", n=200)  # another trainer, the same data
+    with pytest.raises(TuningDataError, match="tuning_data='held_out'"):
+        same_rows.hyperparameter_search(hp_space=one_step, n_trials=1, tuning_data="held_out")
+    assert not (tmp_path / "a" / "hp_search_trials.csv").exists()
+    assert not [p for p in (tmp_path / "b").rglob("*") if p.is_file()]  # nothing written
+    # A search that calls its data public, then the final run on that data: refused (its card would state the
+    # run's ε without the search's).
+    trainer = make_trainer(digits, tmp_path / "c", n=150)
+    best = trainer.hyperparameter_search(hp_space=one_step, n_trials=1)
+    for key, value in best.hyperparameters.items():
+        setattr(trainer.args, key, value)
+    with pytest.raises(TuningDataError, match="tuning_data='public'.*tuned on this training set"):
+        trainer.train()
+    trainer.train_dataset = digits["train"].select(range(150, 300))  # other data: fine
+    trainer.train()
+
+
+def test_a_private_search_sends_no_trial_to_a_tracker(digits, tmp_path):
+    trainer = make_trainer(digits, tmp_path, max_steps=2)
+    trainer.args.report_to = ["tensorboard"]  # each trial's logs would reach it: K and every trial's loss
+    with pytest.raises(ValueError, match=r"report_to=\['tensorboard'\].*report_to='none'"):
+        trainer.hyperparameter_search(tuning_data="private", trial_count=TrialCount.geometric(0.5),
+                                      eval_data_public=True, direction="maximize")
+    assert not (tmp_path / "hp_search_trials.csv").exists()

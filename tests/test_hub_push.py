@@ -20,6 +20,7 @@ from utils import free_port, make_token_dataset
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
 from hf_dp_repr.hub import HubAccessError, check_hub_access, create_repo, upload_run
+from hf_dp_repr.model_card import format_epsilon
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,7 +84,7 @@ def _push_after_training(trainer, result, hub):
     assert "differential-privacy" in metadata["tags"] and metadata == card.data.to_dict()
     assert "digits train split" in card.text
     ledger = json.loads(_download(REPO, "privacy_ledger.json"))
-    assert ledger["steps_done"] == 4 and f"**{ledger['epsilon']:.4g}**" in card.text
+    assert ledger["steps_done"] == 4 and f"**{format_epsilon(ledger['epsilon'])}**" in card.text
 
 
 def test_every_save_pushes_weights_ledger_and_card_only(tmp_path, digits, hub):
@@ -121,7 +122,7 @@ def test_a_push_during_training_is_not_overwritten_by_the_next_save(tmp_path, di
         ledger = json.loads(commit.files["privacy_ledger.json"])
         assert ledger["steps_done"] == step
         assert commit.files["model.safetensors"] == (tmp_path / f"checkpoint-{step}/model.safetensors").read_bytes()
-        assert f"**{ledger['epsilon']:.4g}**" in commit.files["README.md"].decode()
+        assert f"**{format_epsilon(ledger['epsilon'])}**" in commit.files["README.md"].decode()
 
 
 def test_hub_strategy_end_pushes_once_after_training(tmp_path, digits, hub):
@@ -259,7 +260,7 @@ def test_cli_push_sends_the_allow_list_with_a_card_refreshed_from_the_ledger(fin
                                                                              monkeypatch):
     folder = _copy(finished_run, tmp_path / "run")
     ledger = json.loads((folder / "privacy_ledger.json").read_text())
-    eps = f"**{ledger['epsilon']:.4g}**"
+    eps = f"**{format_epsilon(ledger['epsilon'])}**"
     stale = (folder / "README.md").read_text()
     assert eps in stale
     (folder / "README.md").write_text(stale.replace(eps, "**999**"))  # refreshed from the ledger below

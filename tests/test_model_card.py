@@ -9,19 +9,20 @@ from huggingface_hub import ModelCard
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import load_digits_dataset
 from hf_dp_repr.hub import push_dp_model
-from hf_dp_repr.model_card import render_model_card, template_path, write_model_card
+from hf_dp_repr.model_card import format_epsilon, render_model_card, template_path, write_model_card
 from hf_dp_repr.privacy.accounting import compute_epsilon
 from hf_dp_repr.tiny import tiny_vit
 
 
 def _ledger(**over):
     history = [[1.25, 0.05, 200]]
-    led = dict(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=0.5, clipping="per_layer",
-               dataset_size=1280, poisson_sampling=True, target_epsilon=4.0, world_size=2,
+    led = dict(accountant="pld", target_delta=1e-5, per_sample_max_grad_norm=0.5, clipping="per_layer",
+               dataset_size=1280, poisson_sampling=True, target_epsilon=4.0, world_size=2, neighboring="replace_one",
                phases=[dict(name="train", noise_multiplier=1.25, sample_rate=0.05, steps=200, expected_batch_size=64)],
                history=history, steps_done=200, planned_steps=200)
     led.update(over)
-    led["epsilon"] = compute_epsilon([tuple(h) for h in led["history"]], led["target_delta"], led["accountant"])
+    led["epsilon"] = compute_epsilon([tuple(h) for h in led["history"]], led["target_delta"], led["accountant"],
+                                     led.get("neighboring", "add_remove"))
     return led
 
 
@@ -42,9 +43,9 @@ def test_card_states_the_guarantee_data_scope_versions_and_laws(tmp_path):
                                               "base_model": "google/vit-base-patch16-224-in21k",
                                               "datasets": ["cifar10"]})
     text = card.text
-    eps = f"{led['epsilon']:.4g}"
+    eps = format_epsilon(led["epsilon"])
     assert f"**{eps}**" in text and f"(ε = {eps}, δ = 1e-05)-differentially private" in text
-    for fact in ("| δ | 1e-05 |", "| target ε | 4 |", "rdp (Opacus)", "| noise multiplier σ | 1.25 |",
+    for fact in ("| δ | 1e-05 |", "| target ε | 4 |", "pld (dp_accounting)", "| noise multiplier σ | 1.25 |",
                  "| per-example clipping norm C | 0.5 (per_layer clipping) |",
                  "Poisson batches, sample rate q = 0.05 (expected logical batch 64)", "| steps taken / planned | 200 / 200 |",
                  "| epochs, as the Trainer counts them | 10 |", "| expected passes over the data (Σ q × steps) | 10 |",
@@ -132,14 +133,17 @@ def test_card_gives_the_trainers_epochs_and_the_expected_passes_with_the_reason(
 
 
 def test_card_states_how_the_noise_was_drawn_and_the_neighbouring_relation():
-    text = render_model_card(_ledger()).text  # ledgers without the fields: OS entropy, add/remove
+    led = _ledger(accountant="rdp", neighboring="add_remove")
+    del led["neighboring"]  # ledgers without the fields: OS entropy, add/remove
+    text = render_model_card(led).text
     assert "| noise and batch sampling | drawn from OS entropy (no seed reproduces them) |" in text
-    assert "| neighbouring relation | add/remove one example (n is treated as private) |" in text
+    assert ("| neighbouring relation | add/remove one example for the plan's ε, which needs n secret; replace one "
+            "example for the guarantee above |") in text
     assert "Not private as released" not in text
-    text = render_model_card(_ledger(randomness="seeded", neighboring="replace_one")).text
+    text = render_model_card(_ledger(randomness="seeded")).text
     assert ("| noise and batch sampling | seeded with noise_seed: NOT private, anyone who knows the seed can remove "
             "the noise |") in text
-    assert "| neighbouring relation | replace one example |" in text
+    assert "| neighbouring relation | replace one example (n is public: this card states it) |" in text
     assert "**Not private as released:**" in text.split("## Privacy guarantee")[0]  # said under the title
 
 
@@ -170,7 +174,7 @@ def test_every_save_writes_the_card_next_to_the_ledger(trained):
     for folder in (out, out / "checkpoint-3"):
         card = ModelCard.load(folder / "README.md")
         ledger = json.loads((folder / "privacy_ledger.json").read_text())
-        assert f"**{ledger['epsilon']:.4g}**" in card.text and "digits train split" in card.text
+        assert f"**{format_epsilon(ledger['epsilon'])}**" in card.text and "digits train split" in card.text
         assert "differential-privacy" in card.data.tags
         assert f"| epochs, as the Trainer counts them | {trainer.state.epoch:.4g} |" in card.text
     assert write_model_card(trainer, out).text == ModelCard.load(out / "README.md").text

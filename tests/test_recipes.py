@@ -12,7 +12,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_dp_repr import DPTrainingArguments
-
+from hf_dp_repr.model_card import format_epsilon
 from hf_dp_repr.scripts import causal_lm as lm_recipe
 from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.scripts import text_classification as text_recipe
@@ -107,7 +107,7 @@ def test_image_recipe_public_then_private_offline(image_run):
     laws = json.loads((run / "representation_law.json").read_text())["analyses"]
     assert laws[0]["fuzziness_law"]["rho"] > 0 and (run / "representation_law.png").exists()
     card = (run / "README.md").read_text()
-    assert f"**{ledger['epsilon']:.4g}**" in card and f"{n_public} other examples" in card
+    assert f"**{format_epsilon(ledger['epsilon'])}**" in card and f"{n_public} other examples" in card
     assert f"{laws[-1]['fuzziness_law']['rho']:.4g}" in card and "last 1 of 4 blocks" in card
     from transformers import AutoModelForImageClassification
 
@@ -160,8 +160,9 @@ def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path, cap
     assert "document_id-level (ε, δ)-DP" in card
     from hf_dp_repr.privacy.accounting import compute_epsilon
 
+    assert ledger["neighboring"] == "replace_one"  # the default: the ledger and the card state n
     assert metrics["epsilon"] == pytest.approx(compute_epsilon([(ledger["phases"][0]["noise_multiplier"],
-                                                                 32 / n_private, 4)], 1e-5))
+                                                                 32 / n_private, 4)], 1e-5, "pld", "replace_one"))
     printed = capsys.readouterr().out  # the result table, with a sample from the DP model
     assert "| test perplexity" in printed and "| ε spent" in printed and "| DP steps  " in printed
     assert "| sample (greedy, DP model) | 'Return the" in printed

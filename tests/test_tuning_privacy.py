@@ -77,3 +77,40 @@ def test_bad_distributions_are_refused():
     with pytest.raises(ValueError, match="unknown distribution 'uniform'"):
         TrialCount("uniform")
     assert math.isinf(search_epsilon(np.full(len(ORDERS), np.inf), TrialCount.poisson(2.0), 1e-5))
+
+
+# ---- replace-one neighbours (the default: the ledger and the card publish n) ----------------------------------------
+def test_replace_one_rdp_matches_the_closed_form_and_a_quadrature():
+    from scipy import integrate, stats
+
+    from hf_dp_repr.tuning.selection_privacy import replace_one_rdp
+
+    orders = np.array([1.5, 2.0, 10.0, 100.0, 512.0])
+    # q = 1: N(-1, σ²) against N(1, σ²), D_λ = λ · 2² / (2σ²) at every order (the peak of the integrand is far left)
+    for sigma in (0.7, 2.0):
+        assert replace_one_rdp(sigma, 1.0, orders) == pytest.approx(2 * orders / sigma**2, rel=1e-6)
+    # q < 1: adaptive quadrature of the same integral
+    for sigma, q, lam in ((1.0, 0.1, 4.0), (0.8, 0.25, 12.0), (2.0, 0.5, 30.0)):
+        def log_mix(x, shift):
+            return np.logaddexp(math.log1p(-q) + stats.norm.logpdf(x, 0, sigma),
+                                math.log(q) + stats.norm.logpdf(x, shift, sigma))
+
+        value, _ = integrate.quad(lambda x: math.exp(lam * log_mix(x, -1) + (1 - lam) * log_mix(x, 1)),
+                                  -2 * lam - 20 * sigma, 20 * sigma, points=[-lam, -1.0, 0.0, 1.0], limit=400)
+        assert replace_one_rdp(sigma, q, [lam])[0] == pytest.approx(math.log(value) / (lam - 1), rel=1e-6)
+
+
+@pytest.mark.parametrize("history,delta", [([(1.83, 0.1, 20)], 1e-5), ([(0.8, 0.25, 4)], 1e-4),
+                                           ([(2.37, 0.01, 1000)], 1e-5), ([(0.5, 0.02, 100)], 1e-5),
+                                           ([(1.0, 0.1, 10), (2.0, 0.05, 40)], 1e-5)])
+def test_replace_one_curve_never_reports_less_than_dp_accounting(history, delta):
+    import dp_accounting
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
+    acc = PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE)
+    for sigma, q, steps in history:
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    exact = acc.get_epsilon(delta)
+    replace = single_run_epsilon(rdp_curve(history, neighboring="replace_one"), delta)
+    assert exact <= replace <= 1.3 * exact  # RDP converts to (ε, δ) with some loss, never below
+    assert single_run_epsilon(rdp_curve(history), delta) < replace  # add/remove is smaller

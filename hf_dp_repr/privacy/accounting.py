@@ -1,18 +1,19 @@
 """Privacy accounting: σ calibration and ε of a history (the plan and the ledger of a run: `ledger.py`).
 
 Every ε reported by this library comes from `compute_epsilon`, i.e. from a real accountant run on the history of
-(σ, sample rate, steps) that was actually executed: Opacus' `prv` (default) or `rdp`, or dp_accounting's `pld`
-(privacy loss distributions; the only one here that also does replace-one neighbours). Opacus' `gdp` is refused:
+(σ, sample rate, steps) that was actually executed: dp_accounting's `pld` (privacy loss distributions, the default
+and the only one here that also does replace-one neighbours) or Opacus' `prv` or `rdp`. Opacus' `gdp` is refused:
 its central-limit approximation is not an upper bound and under-reports ε for DP-SGD.
 
-The neighbouring relation says what ε protects: `add_remove` (the default, Opacus' setting: datasets that differ
-by one example added or removed, so n itself is treated as private) or `replace_one` (one example replaced; the
-right relation when n is published, as the ledger and the model card do; ε is larger).
+The neighbouring relation says what ε protects: `replace_one` (datasets of the same size n that differ in one
+example: the relation that holds when n is published, as the ledger and the model card do, and DPTrainer's default)
+or `add_remove` (Opacus' setting: one example added or removed, so n itself, and the sample rate, steps and epochs
+that reveal it, must stay secret; ε is smaller).
 
 Example:
     >>> from hf_dp_repr.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
     >>> sigma = calibrate_noise_multiplier(target_epsilon=8.0, target_delta=1e-5, sample_rate=0.01, steps=1000)
-    >>> eps = compute_epsilon([(sigma, 0.01, 1000)], delta=1e-5)
+    >>> eps = compute_epsilon([(sigma, 0.01, 1000)], delta=1e-5)  # Opacus' PRV accountant, add/remove neighbours
     >>> 7.99 <= eps <= 8.0
     True
 """
@@ -20,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 
@@ -31,6 +33,10 @@ from ..quiet import RDP_LARGEST_ALPHA
 
 # Calibrated σ spends between (1 - tolerance)·ε and ε: tight enough that "exactly the target" holds to 0.1 %.
 RELATIVE_EPSILON_TOLERANCE = 1e-3
+# dp_accounting's privacy-loss grid for `pld`. Its pessimistic estimate rounds every loss up to the grid, so a coarser
+# grid only raises ε: 1e-3 reports at most ~0.1 % above dp_accounting's finer default (1e-4) and calibrates 5-10×
+# faster (measured on histories of 3 to 1000 steps; tests/test_accounting.py checks it is never below).
+PLD_DISCRETIZATION = 1e-3
 ACCOUNTANTS = ("prv", "rdp", "pld")
 NEIGHBORING_RELATIONS = ("add_remove", "replace_one")
 GDP_REFUSED = ("the 'gdp' accountant is refused: its central-limit approximation is not an upper bound and "
@@ -57,11 +63,16 @@ def compute_epsilon(history: History, delta: float, accountant: str = "prv",
                     neighboring: str = "add_remove") -> float:
     """ε spent by a history of DP-SGD phases [(σ, q, steps), ...]; ∞ if any phase had σ = 0."""
     check_accountant(accountant, neighboring)
-    steps = _merge([(s, q, t) for s, q, t in history if t > 0])
+    steps = _merge([(float(s), float(q), int(t)) for s, q, t in history if t > 0])
     if not steps:
         return 0.0
     if any(s == 0 for s, _, _ in steps):
         return math.inf
+    return _epsilon(tuple(steps), float(delta), accountant, neighboring)
+
+
+@functools.lru_cache(maxsize=4096)  # a run asks again for the same history (each log line, ledger, card)
+def _epsilon(steps: tuple, delta: float, accountant: str, neighboring: str) -> float:
     if accountant == "pld":
         return _pld_epsilon(steps, delta, neighboring)
     acc = create_accountant(mechanism=accountant)
@@ -77,7 +88,8 @@ def _pld_epsilon(history: History, delta: float, neighboring: str) -> float:
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 
     relation = dp_accounting.NeighboringRelation
-    acc = PLDAccountant(relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE)
+    acc = PLDAccountant(relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE,
+                        value_discretization_interval=PLD_DISCRETIZATION)
     for sigma, q, steps in history:
         acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
     return float(acc.get_epsilon(delta))

@@ -8,18 +8,22 @@ that would change the guarantee itself (target ε or δ, σ, accountant, samplin
 Two modes (`tuning_data`):
 - "public" (default) or "held_out": the trials train on data that is NOT the private training set the final model
   protects (public data, or individuals held out from it). The search spends none of the final run's budget;
-  nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row.
+  nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row. It is
+  checked by dataset fingerprint (`tuning_data.py`): such a search on the training set of an earlier DP run of the
+  process, or a DP run of the same trainer on the data its search tuned on, is refused (`TuningDataError`).
 - "private": the trials train on the private data, and the search is accounted with Papernot & Steinke (2022,
   `selection_privacy`): the number of trials K is drawn from `trial_count` with OS-entropy randomness (never from
   `args.seed`); hyperparameters are drawn independently of the data (Optuna's RandomSampler on a secret seed: an
   adaptive sampler such as TPE, or a pruner, would let one trial depend on the private results of others, which
   the theorem does not cover); only the best trial is released (its model, kept in memory and saved under
-  `output_dir/best_trial`, and its score). K itself must stay secret (the bound holds for the best of a random,
-  unknown number of runs; knowing K = k leaves the best of k fixed runs): the CSV, the plot, the summary log and
-  the returned `BestRun` (run_id "best") show the best trial only, never the trial count or index. The Trainer's
-  console logs of each trial and the search's wall time still reveal K: keep them local. The score is computed on
-  `eval_dataset` outside DP-SGD: the theorem covers it only if that data is public, so the caller must state
-  `eval_data_public=True`.
+  `output_dir/best_trial` with its own ledger and a card that states the whole search's ε, and its score). K itself
+  must stay secret (the bound holds for the best of a random, unknown number of runs; knowing K = k leaves the best
+  of k fixed runs): the CSV, the plot, the summary log and the returned `BestRun` (run_id "best") show the best trial
+  only, never the trial count or index, and the returned trainer holds the best trial's weights, ledger and state
+  and nothing of the others (no optuna trial or study, optimizer, secret or logs). With a `privacy_unit`, the bound
+  counts units. The Trainer's console logs of each trial and the search's wall time still reveal K: keep them
+  local. The score is computed on `eval_dataset` outside DP-SGD: the theorem covers it only if that data is public,
+  so the caller must state `eval_data_public=True`.
 
 Writes `hp_search_trials.csv` (each trial's hyperparameters: what `hp_space` set and anything else the trial drew,
 e.g. in `model_init(trial)`) and `hp_search_trials.png` into `args.output_dir`.
@@ -39,6 +43,7 @@ from transformers.utils import logging
 
 from ..plan import plan_run
 from .selection_privacy import TrialCount, rdp_curve, search_epsilon, single_run_epsilon
+from .tuning_data import check_search_data
 
 logger = logging.get_logger(__name__)
 
@@ -89,7 +94,7 @@ class DPSearch:
         self.baseline = copy.deepcopy(trainer.args)
         self.records: list[dict] = []
         self.schedule_choices: dict[str, list] = {}
-        self._curves: dict[tuple, object] = {}
+        self._plans: dict[tuple, object] = {}
 
     # ---- each trial ---------------------------------------------------------------------------------
     def space(self, trial) -> dict:
@@ -143,37 +148,47 @@ class DPSearch:
             sigma=" / ".join(f"{p.noise_multiplier:.4f}" for p in plan.phases),
             sample_rate=" / ".join(f"{p.sample_rate:.4f}" for p in plan.phases),
             steps=" / ".join(str(p.steps) for p in plan.phases), scope=trainer.describe_scope(),
-            epsilon_trial_rdp=single_run_epsilon(rdp_curve(led.history), plan.target_delta))
+            epsilon_trial_rdp=single_run_epsilon(rdp_curve(led.history, neighboring=plan.neighboring),
+                                                 plan.target_delta))
 
     # ---- the whole search -----------------------------------------------------------------------------
-    def worst_curve(self, dataset_size: int):
-        """The pointwise largest RDP curve over every schedule the space can draw (the cartesian product of the
-        categorical choices seen for the schedule keys, with the baseline for the rest)."""
+    def worst_curve(self, dataset_size: int, neighboring: str):
+        """The pointwise largest RDP curve (for `neighboring` neighbours) over every schedule the space can draw
+        (the cartesian product of the categorical choices seen for the schedule keys, the baseline for the rest)."""
         import numpy as np
 
         keys = sorted(self.schedule_choices)
         worst = None
         for values in itertools.product(*(self.schedule_choices[k] for k in keys)):
-            if values not in self._curves:
+            if values not in self._plans:
                 args = copy.deepcopy(self.baseline)
                 for k, v in zip(keys, values):
                     setattr(args, k, v)
                 try:
-                    plan = plan_run(args, dataset_size)
+                    self._plans[values] = plan_run(args, dataset_size)
                 except ValueError:
-                    self._curves[values] = None  # a combination that cannot run releases nothing
-                    continue
-                self._curves[values] = rdp_curve([(p.noise_multiplier, p.sample_rate, p.steps) for p in plan.phases])
-            curve = self._curves[values]
-            if curve is not None:
+                    self._plans[values] = None  # a combination that cannot run releases nothing
+            if (plan := self._plans[values]) is not None:
+                curve = rdp_curve([(p.noise_multiplier, p.sample_rate, p.steps) for p in plan.phases],
+                                  neighboring=neighboring)
                 worst = curve if worst is None else np.maximum(worst, curve)
         return worst
 
-    def total_epsilon(self, dataset_size: int) -> float | None:
+    def total_epsilon(self, dataset_size: int, neighboring: str | None = None) -> float | None:
+        """ε of the whole search (mode "private"), for the plan's neighbouring relation or `neighboring`."""
         if self.tuning_data != "private":
             return None
-        curve = self.worst_curve(dataset_size)
+        curve = self.worst_curve(dataset_size, neighboring or self.baseline.neighboring)
         return None if curve is None else search_epsilon(curve, self.trial_count, self.baseline.target_delta)
+
+    def record(self, dataset_size: int, total: float) -> dict:
+        """What the best trial's card states (`hp_search.json`): the whole search's ε, for the plan's relation and
+        for replace-one neighbours (the relation that holds for a release that states n)."""
+        relation = self.baseline.neighboring
+        ro = total if relation == "replace_one" else self.total_epsilon(dataset_size, "replace_one")
+        return {"tuning_data": "private", "trial_count": self.trial_count.describe(),
+                "delta": self.baseline.target_delta, "neighboring": relation, "epsilon": total,
+                "epsilon_replace_one": ro}
 
 
 def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | None = None,
@@ -185,7 +200,9 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
 
     args = trainer.args
     _check_request(trainer, n_trials, direction, tuning_data, trial_count, eval_data_public, study_kwargs)
-    n = len(trainer.train_dataset)
+    data_key = check_search_data(trainer.train_dataset, tuning_data)
+    units = trainer._read_units(trainer.train_dataset, args)  # with a privacy_unit, the bound counts units
+    n = len(trainer.train_dataset) if units is None else units
     if hp_space is None:
         from ..scope import find_block_stack
 
@@ -212,11 +229,12 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
         logger.warning(f"hyperparameter_search on {tuning_data.upper()} data (tuning_data={tuning_data!r}): the "
                        "trials' training set is assumed NOT to be the private set the final model protects, so the "
                        "search is not charged to its budget. Use tuning_data='private' to tune on private data.")
+    before = dict(trainer.__dict__)  # put back after the search: nothing of a trial stays on the trainer
     trainer.hp_search_backend = HPSearchBackend.OPTUNA
     trainer.hp_space, trainer.hp_name = search.space, hp_name
     trainer.compute_objective = compute_objective or default_compute_objective
     trainer._dp_search = search
-    best = {"value": None, "state": None}
+    best = {"value": None, "record": None}
     sign = 1 if direction == "maximize" else -1
 
     def objective(trial):
@@ -224,32 +242,32 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
         trainer.train(trial=trial)
         if getattr(trainer, "objective", None) is None:
             trainer.objective = trainer.compute_objective(trainer.evaluate())
-        if keep_best_model and (best["value"] is None or sign * trainer.objective > sign * best["value"]):
+        if best["value"] is None or sign * trainer.objective > sign * best["value"]:
             best["value"] = trainer.objective
-            best["state"] = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+            best["record"] = trainer._trial_record() if keep_best_model else None
         return trainer.objective
 
     study = optuna.create_study(direction=direction, **study_kwargs)
     try:
         if n_trials:
             study.optimize(objective, n_trials=n_trials)
+    except BaseException:
+        trainer._end_search(before, None, (data_key, tuning_data))
+        raise
     finally:
-        trainer.hp_search_backend = None
-        trainer._dp_search = None
         args.__dict__.update(copy.deepcopy(search.baseline).__dict__)
     total = search.total_epsilon(n)
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     best_trial = study.best_trial if done else None
     _write_table(args.output_dir, search, study, best_trial, total)
     _announce(search, total, best_trial, args.target_epsilon)
+    trainer._end_search(before, best["record"] if best_trial is not None else None, (data_key, tuning_data))
     if best_trial is None:
         logger.warning("hyperparameter_search: no trial completed (K = 0 was drawn, or every trial failed); "
                        "nothing is released.")
         return None
-    if keep_best_model and best["state"] is not None:
-        trainer.model = trainer.call_model_init()
-        trainer.model.load_state_dict(best["state"])
-        trainer.model_wrapped = trainer.model
+    if best["record"] is not None:
+        trainer._search_record = search.record(n, total) if private else None
         trainer.save_model(os.path.join(args.output_dir, "best_trial"))
     # With private data the best trial's index would bound the secret number of trials: it is not returned.
     return BestRun("best" if private else str(best_trial.number), best_trial.value, best_trial.params)
@@ -285,9 +303,9 @@ def _check_request(trainer, n_trials, direction, tuning_data, trial_count, eval_
         raise ValueError("hyperparameter_search(tuning_data='private'): each trial is scored on eval_dataset outside "
                          "DP-SGD; the Papernot-Steinke bound covers the selection only if that data is public. Pass "
                          "a public validation set as eval_dataset and state eval_data_public=True.")
-    if args.neighboring != "add_remove":
-        raise ValueError("hyperparameter_search(tuning_data='private'): the search is accounted with RDP for "
-                         "add/remove neighbours; set neighboring='add_remove'.")
+    if args.report_to:
+        raise ValueError(f"hyperparameter_search(tuning_data='private'): report_to={args.report_to} would send every "
+                         "trial's logs (and so the secret number of trials) to a tracker; set report_to='none'.")
     if any(k in study_kwargs for k in ("sampler", "pruner")):
         raise ValueError("hyperparameter_search(tuning_data='private'): the sampler and pruner are fixed (random "
                          "hyperparameters from a secret seed, no pruning): an adaptive sampler or a pruner makes "
