@@ -45,7 +45,9 @@ from typing import Any
 
 REPORT_FILE = "privacy_audit_canaries.json"
 KINDS = ("dirac", "ood", "mislabelled")
-DEFAULTS = ["--save_strategy", "no", "--report_to", "none"]  # defaults; a save strategy given after them is refused
+# Defaults (flags given after them win): a canary is a row added or left out, so the run claims add/remove ε; a save
+# strategy or another neighbouring relation given after them is refused.
+DEFAULTS = ["--save_strategy", "no", "--report_to", "none", "--neighboring", "add_remove"]
 COVERED = ("Post-processing of the DP run (its released updates or weights), the public canaries and the secret "
            "inclusion draw (not written): covered by the run's DP guarantee when its ε is finite.")
 

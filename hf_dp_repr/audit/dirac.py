@@ -86,13 +86,17 @@ class DiracCanaryTrainer(DPTrainer):
         if CANARY_COLUMN not in self._signature_columns:
             self._signature_columns.append(CANARY_COLUMN)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def _prepare_inputs(self, inputs):
+        # Every micro-batch goes through here (training steps and DPTrainer's start-of-training probe): the canary
+        # column is taken off before the model sees the batch.
         ids = inputs.pop(CANARY_COLUMN, None)
         self._canary_ids = None if ids is None else ids.to(self.args.device)
-        return super().training_step(model, inputs, num_items_in_batch)
+        return super()._prepare_inputs(inputs)
 
     def per_example_loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         losses = super().per_example_loss(outputs, labels)
+        if self._canary_ids is None:
+            return losses
         # A canary row's loss is B·w_i alone: `where` gives its model loss exactly zero gradient.
         return torch.where(self._canary_ids >= 0, self.dirac_canaries(self._canary_ids), losses)
 
