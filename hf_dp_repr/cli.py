@@ -19,8 +19,8 @@ tokenizer / processor files, eval metrics, representation laws, `privacy_ledger.
 from the ledger first. It refuses a folder without a ledger; login and write access are checked before anything
 is written. The token comes from `hf auth login` or HF_TOKEN.
 
-Each command imports what it needs when it runs (`hf-dp-repr privacy` loads the accountant, not transformers), and
-`main` sets up the process first (`hf_dp_repr.entry_point`), before anything imports torch.
+Each command imports what it needs when it runs (`hf-dp-repr privacy` loads the accountants, not the trainer, peft
+or datasets), and `main` sets up the process first (`hf_dp_repr.entry_point`), before anything imports torch.
 """
 
 from __future__ import annotations
