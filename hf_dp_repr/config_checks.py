@@ -2,7 +2,14 @@
 linear-probing phase, feature caching, report_to, several processes forming one run), run by
 `DPTrainingArguments.__post_init__`; `check_privacy_unit` also by callers that set `privacy_unit` after parsing
 (the causal-LM recipe). Each refuses before any work, naming the argument and the fix. Imports nothing heavy
-(`hf-dp-repr privacy` checks --target-epsilon with it)."""
+(`hf-dp-repr privacy` checks --target-epsilon with it).
+
+Several processes (accelerate launch, torchrun, MPI) must form one run:
+    >>> from hf_dp_repr.config_checks import check_one_run, launched_processes
+    >>> launched_processes()  # a process started alone
+    1
+    >>> check_one_run(world_size=1)  # what a launch of 2 processes seen as 1 would refuse (ProcessGroupError)
+"""
 
 from __future__ import annotations
 

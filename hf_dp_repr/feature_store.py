@@ -12,6 +12,10 @@ On disk they live in the system temporary folder (`tempfile.gettempdir()`: $TMPD
 `hf-dp-repr-features-<host>-<pid>-*` (the location is logged when one is made). A process killed before its exit
 handlers ran (kill -9, out of memory) leaves its folder behind: the next process that imports this module deletes
 the folders of this user whose process, on this host, is no longer running (`remove_stale_caches`), with a warning.
+
+    >>> import tempfile
+    >>> remove_stale_caches(tempfile.mkdtemp())  # a folder without caches: nothing to remove
+    []
 """
 
 from __future__ import annotations
