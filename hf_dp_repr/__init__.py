@@ -1,19 +1,39 @@
-"""hf-dp-repr: differentially private fine-tuning of Hugging Face models, and what DP noise does to their representations."""
+"""hf-dp-repr: differentially private fine-tuning of Hugging Face models, and what DP noise does to their representations.
+
+The classes and functions below load on first use (PEP 562), so `import hf_dp_repr` imports neither torch nor
+transformers: the entry points set up the process first (`hf_dp_repr.entry_point`) and `hf-dp-repr privacy` loads
+only the accountant.
+"""
 
 __version__ = "0.1.0"
 
-from .config import DPTrainingArguments  # noqa: E402
+import importlib
+
 from .errors import (AuditDataError, CheckpointMismatchError, DPConfigError, HfDpReprError,  # noqa: E402
                      HubAccessError, NotPrivatizableError, OutOfReachError, OutputDirError, PrivacyBudgetExhaustedError,
-                     ScopeError, TuningDataError)
+                     ProcessGroupError, ScopeError, TuningDataError)
 from .quiet import silence_known_noise  # noqa: E402
-from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon  # noqa: E402
-from .privacy.ledger import PrivacyLedger, PrivacyPlan  # noqa: E402
-from .trainer import DPTrainer  # noqa: E402
 
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)
+
+_LAZY = {"DPTrainer": "trainer", "DPTrainingArguments": "config", "PrivacyLedger": "privacy.ledger",
+         "PrivacyPlan": "privacy.ledger", "calibrate_noise_multiplier": "privacy.accounting",
+         "compute_epsilon": "privacy.accounting"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # once
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["DPTrainer", "DPTrainingArguments", "PrivacyLedger", "PrivacyPlan", "calibrate_noise_multiplier",
            "compute_epsilon", "HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
            "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError",
-           "AuditDataError"]
+           "ProcessGroupError", "AuditDataError"]

@@ -18,6 +18,9 @@
 tokenizer / processor files, eval metrics, representation laws, `privacy_ledger.json` and the DP card, refreshed
 from the ledger first. It refuses a folder without a ledger; login and write access are checked before anything
 is written. The token comes from `hf auth login` or HF_TOKEN.
+
+Each command imports what it needs when it runs (`hf-dp-repr privacy` loads the accountants, not the trainer, peft
+or datasets), and `main` sets up the process first (`hf_dp_repr.entry_point`), before anything imports torch.
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ import json
 import math
 import sys
 
-from .config import target_epsilon_problem
-from .privacy.accounting import (ACCOUNTANTS, GDP_REFUSED, NEIGHBORING_RELATIONS, calibrate_noise_multiplier,
-                                 compute_epsilon)
+from .config_checks import target_epsilon_problem
+from .entry_point import prepare_entry_point
 
 
 def _target_epsilon(text: str) -> float:
@@ -55,6 +57,8 @@ def _probability(text: str) -> float:
 
 
 def _add_privacy_parser(subparsers) -> None:
+    from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS
+
     p = subparsers.add_parser("privacy", help="ε of a planned DP-SGD run, or the σ that reaches a target ε.",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sample-rate", type=_sample_rate, required=True,
@@ -72,6 +76,8 @@ def _add_privacy_parser(subparsers) -> None:
 
 
 def run_privacy(args: argparse.Namespace) -> int:
+    from .privacy.accounting import ACCOUNTANTS, GDP_REFUSED, calibrate_noise_multiplier, compute_epsilon
+
     if args.steps <= 0:
         raise SystemExit("hf-dp-repr privacy: --steps must be > 0")
     if args.accountant == "gdp":
@@ -141,23 +147,38 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_privacy_parser(subparsers)
-    _add_push_parser(subparsers)
-    _add_train_parser(subparsers)
+def _add_analyze_parser(subparsers) -> None:
     from .analysis.cli import add_analyze_parser
 
     add_analyze_parser(subparsers)
+
+
+def _add_audit_parser(subparsers) -> None:
     from .audit.cli import add_audit_parser
 
     add_audit_parser(subparsers)
+
+
+# Each adds its subcommand; `main` builds only the one it runs (its imports are the command's own).
+COMMANDS = {"privacy": _add_privacy_parser, "push": _add_push_parser, "train": _add_train_parser,
+            "analyze": _add_analyze_parser, "audit": _add_audit_parser}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of `command` alone."""
+    parser = argparse.ArgumentParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, add in COMMANDS.items():
+        if command in (None, name):
+            add(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    prepare_entry_point()  # before any command imports torch
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
     return args.func(args)
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .config_checks import check_privacy_unit, validate_cache_fields, validate_lp_fields
+from .config_checks import (check_one_run, check_privacy_unit, check_report_to, join_cpu_processes,
+                            target_epsilon_problem, validate_cache_fields, validate_lp_fields)
 from .errors import DPConfigError
 from .head_init import HEAD_INITS, check_head_init
 from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
@@ -219,22 +220,11 @@ class DPTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         _validate_dp_fields(self)
+        join_cpu_processes()  # before the Trainer's arguments set up accelerate: several processes are one run
         super().__post_init__()
+        check_one_run(self.world_size)
+        check_report_to(self)  # after the Trainer made report_to a list
         _validate_activation_checkpointing(self)  # after the Trainer resolves gradient_checkpointing* aliases
-
-
-def target_epsilon_problem(eps: float) -> str | None:
-    """Why `eps` cannot be a target ε (None if it can): NaN, ∞ (no budget: Opacus' calibration would return
-    its upper bracket σ = 10, a chance-level model), or ≤ 0."""
-    if math.isnan(eps):
-        return "target_epsilon is NaN; give a finite ε > 0 (e.g. 8.0), or noise_multiplier=0 for a non-private run."
-    if eps == math.inf:
-        return ("target_epsilon=inf is no privacy budget: no σ is calibrated for it (Opacus would return an arbitrary "
-                "σ = 10 and a chance-level model). For a non-private reference set noise_multiplier=0 instead of "
-                "target_epsilon (clipping only, ε reported as ∞).")
-    if not eps > 0:
-        return f"target_epsilon must be > 0, got {eps}."
-    return None
 
 
 def _validate_dp_fields(args: DPTrainingArguments) -> None:

@@ -61,5 +61,11 @@ class HubAccessError(HfDpReprError, RuntimeError):
     """Not logged in, offline, or no write access to the repository: raised before anything is written or sent."""
 
 
+class ProcessGroupError(HfDpReprError, RuntimeError):
+    """Processes launched together (accelerate launch, torchrun, MPI) that do not form one run: each would be its
+    own DP run on the same data. Raised before any work."""
+
+
 __all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError", "AuditDataError",
-           "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError"]
+           "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError",
+           "ProcessGroupError"]

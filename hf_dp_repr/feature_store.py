@@ -7,20 +7,37 @@ weight and buffer they depend on, the dataset's fingerprint and length, and the 
 changed weight or dataset never does. Entries hold features of private data: they live in this process only (or,
 past the memory bound and only if allowed, in a fresh temporary folder deleted at exit), are no module buffer, so in
 no state_dict, checkpoint or push; `clear_feature_cache()` frees them all.
+
+On disk they live in the system temporary folder (`tempfile.gettempdir()`: $TMPDIR, else /tmp), in folders named
+`hf-dp-repr-features-<host>-<pid>-*` (the location is logged when one is made). A process killed before its exit
+handlers ran (kill -9, out of memory) leaves its folder behind: the next process that imports this module deletes
+the folders of this user whose process, on this host, is no longer running (`remove_stale_caches`), with a warning.
+
+    >>> import tempfile
+    >>> remove_stale_caches(tempfile.mkdtemp())  # a folder without caches: nothing to remove
+    []
 """
 
 from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
+import os
 import shutil
+import socket
 import tempfile
+from pathlib import Path
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import datasets
 import numpy as np
 import torch
+
+
+logger = logging.getLogger(__name__)
+CACHE_PREFIX = "hf-dp-repr-features-"  # + <host>-<pid>-<random>: see the module's docstring
 
 
 class NotCacheable(RuntimeError):
@@ -68,8 +85,10 @@ class CacheEntry:
             evict_until(max_memory_gb * 2**30 - size)
             return cls(torch.empty((n, *shape), dtype=dtype))
         if size <= max_disk_gb * 2**30:
-            folder = tempfile.mkdtemp(prefix="hf-dp-repr-prefix-cache-")
+            folder = tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{_host()}-{os.getpid()}-")
             _FOLDERS.add(folder)
+            logger.info(f"features of private data cached on disk in {folder} (deleted at exit; if this process is "
+                        "killed, by the next one that starts)")
             np_dtype = torch.empty((), dtype=dtype).numpy().dtype
             return cls(np.memmap(f"{folder}/states.npy", dtype=np_dtype, mode="w+", shape=(n, *shape)), folder)
         raise NotCacheable(f"the states need {size / 2**30:.2f} GiB, over cache_features_max_memory_gb="
@@ -118,3 +137,41 @@ def store(key: tuple, entry) -> None:
 def _delete_folders() -> None:
     for folder in list(_FOLDERS):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---- folders left by killed processes ------------------------------------------------------------------------------
+def _host() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: checks that the process exists, sends nothing
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_caches(folder: str | None = None) -> list[str]:
+    """Delete the on-disk feature caches in `folder` (default: the system temporary folder) that processes of this
+    user on this host left behind when they were killed; returns their paths. Another host's (a shared temporary
+    folder) and another user's are left alone, and so is everything on systems without POSIX process checks."""
+    if os.name != "posix":
+        return []
+    prefix = f"{CACHE_PREFIX}{_host()}-"
+    removed = []
+    for path in Path(folder or tempfile.gettempdir()).glob(f"{prefix}*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        if not (pid.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid()) or _running(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    if removed:
+        logger.warning(f"removed {len(removed)} feature cache folder(s) of private data left by killed processes: "
+                       f"{', '.join(removed)}")
+    return removed
+
+
+remove_stale_caches()  # at the start of every process that may cache features

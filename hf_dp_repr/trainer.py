@@ -34,6 +34,8 @@ from transformers.utils import logging
 
 from .cached_head import set_probe_modes
 from .config import DPTrainingArguments, check_hub_strategy
+from .config_checks import check_one_run
+from .eval_overlap import DPEvalOverlapMixin
 from .head_init import init_head
 from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
@@ -61,7 +63,8 @@ from .trainer_search import DPSearchMixin
 
 logger = logging.get_logger(__name__)
 
-class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCacheMixin, DPSavingMixin, Trainer):
+class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCacheMixin, DPSavingMixin,
+                DPEvalOverlapMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -80,6 +83,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
         check_hub_strategy(args)  # again: set_push_to_hub() bypasses the arguments' own check
+        check_one_run(args.world_size)  # again: accelerate's state may have been set up anew since the arguments
         check_public_phase(args, train_dataset, public_train_dataset, public_eval_dataset)
         self.public_train_dataset, self.public_eval_dataset = public_train_dataset, public_eval_dataset
         self.continual_record: dict | None = None  # public → private: switch step, tr(H), decelerator, ε
@@ -106,6 +110,8 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             self._scopes[-1].apply(model)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.model_card_info = ModelCardInfo.from_value(model_card_info)  # written by model_card.write_model_card
+        self._follow_log_level()
+        self._check_eval_overlap()
         self.ledger: PrivacyLedger | None = None
         self._plan: PrivacyPlan | None = None
         self._applied_phase: int | None = None
@@ -255,9 +261,9 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         self._dp_optimizer.noise_multiplier = phase.noise_multiplier
         self._dp_optimizer.expected_batch_size = phase.expected_batch_size
         if self._applied_phase is not None:
-            logger.warning(f"DP-SGD phase '{phase.name}' starts at step {self.ledger.steps_done}: σ="
-                           f"{phase.noise_multiplier:.4f}, expected batch {phase.expected_batch_size}, "
-                           f"training {self.describe_scope(index)}")
+            logger.info(f"DP-SGD phase '{phase.name}' starts at step {self.ledger.steps_done}: σ="
+                        f"{phase.noise_multiplier:.4f}, expected batch {phase.expected_batch_size}, "
+                        f"training {self.describe_scope(index)}")
         self._applied_phase = index
 
     def describe_scope(self, phase: int | None = None) -> str:
@@ -322,6 +328,8 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         self._check_training_data()  # not the data a search of this trainer tuned on (trainer_search)
         self._resume_ledger = None
         self._plan = None
+        check_one_run(self.args.world_size)
+        self._check_eval_overlap()  # the eval set or the arguments may have changed since init
         self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
         if self.train_dataset is not None:  # refuse packed or mixed rows, and what clipping cannot see, before work
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init

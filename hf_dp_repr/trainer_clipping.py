@@ -50,8 +50,8 @@ class DPClippingMixin:
             p._dp_name = name  # for error messages that name the parameter
         engine = self._choose_engine()
         if engine != self.clipping_engine:
-            logger.warning(f"DPTrainer: clipping_engine={engine!r} (per-example clipping "
-                           f"{'by ghost norms and book-keeping' if engine == 'ghost' else 'by Opacus hooks'}).")
+            logger.info(f"DPTrainer: clipping_engine={engine!r} (per-example clipping "
+                        f"{'by ghost norms and book-keeping' if engine == 'ghost' else 'by Opacus hooks'}).")
         self.clipping_engine = engine
         if engine == "ghost":  # only modules that own a trained tensor are hooked (nothing below the scope)
             self._ghost_engine = GhostClippingEngine(self.model, several=self._several_rows)

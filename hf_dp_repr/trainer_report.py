@@ -1,6 +1,12 @@
-"""The DP-SGD plan `DPTrainer` logs once at the start of training (a mixin placed before `Trainer`)."""
+"""The DP-SGD plan `DPTrainer` logs once at the start of training (a mixin placed before `Trainer`).
+
+The plan and the clipping engine are routine INFO lines of the `hf_dp_repr` loggers, shown by the recipes (their
+logging setup) and, as the Trainer's own INFO lines, when `log_level` asks for them (`log_level="info"`). Lines that
+ask for action (a seeded noise, no noise, no Poisson sampling) are warnings."""
 
 from __future__ import annotations
+
+import logging as std_logging
 
 from transformers.utils import logging
 
@@ -44,4 +50,15 @@ class DPPlanReportMixin:
                       else [p for p in self.model.parameters() if p.requires_grad])
             lines.append(describe_trainable(self.model, params, phase.noise_multiplier, led.per_sample_max_grad_norm,
                                             phase.expected_batch_size, stack))
-        logger.warning("\n".join(lines))
+        logger.info("\n".join(lines))
+
+    def _follow_log_level(self) -> None:
+        """As the Trainer sets transformers' verbosity from `log_level` (main process) / `log_level_replica`, set the
+        `hf_dp_repr` loggers' level; with the default "passive" they keep what the program configured."""
+        level = self.args.log_level if self.args.should_log else self.args.log_level_replica
+        if level == "passive":
+            return
+        library = std_logging.getLogger("hf_dp_repr")
+        library.setLevel(self.args.get_process_log_level())
+        if not library.handlers and not std_logging.getLogger().handlers:  # no logging set up: print as transformers
+            library.addHandler(std_logging.StreamHandler())

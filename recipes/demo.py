@@ -5,7 +5,9 @@
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
+from hf_dp_repr.entry_point import prepare_entry_point
+
+prepare_entry_point()  # before torch loads: OMP_WAIT_POLICY=PASSIVE, ... (hf_dp_repr/entry_point.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never needs the Hub; before huggingface_hub reads it
 
 from hf_dp_repr.scripts.demo import main  # noqa: E402

@@ -8,6 +8,10 @@ on the private 70 %, scored on the test split. Logic in `hf_dp_repr.tuning.budge
 
 import argparse
 
+from hf_dp_repr.entry_point import prepare_entry_point
+
+prepare_entry_point(tiny_model=True)  # before torch loads; one thread: tiny ViTs (hf_dp_repr/entry_point.py)
+
 
 def main(argv=None):
     from transformers import ViTForImageClassification

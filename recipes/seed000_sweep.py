@@ -7,6 +7,10 @@ learning rate; writes report.md, results.csv and the figures. Logic in `hf_dp_re
 
 import argparse
 
+from hf_dp_repr.entry_point import prepare_entry_point
+
+prepare_entry_point(tiny_model=True)  # before torch loads; one thread: tiny ViTs (hf_dp_repr/entry_point.py)
+
 
 def main(argv=None):
     from hf_dp_repr.tuning.seed000 import run_seed000

@@ -4,9 +4,9 @@
         --public_max_steps 60
 """
 
-import os
+from hf_dp_repr.entry_point import prepare_entry_point
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see hf_dp_repr/scripts/utils.py)
+prepare_entry_point()  # before torch loads: OMP_WAIT_POLICY=PASSIVE, ... (hf_dp_repr/entry_point.py)
 
 from hf_dp_repr.scripts.seed004_continual import main  # noqa: E402
 

@@ -36,3 +36,41 @@ def test_a_demo_sized_run_prints_no_noise_but_keeps_warnings_that_ask_for_action
         assert text not in printed.out + printed.err, text
     assert any("is >= 1/n" in m and "Use δ < 1/n" in m for m in loud), loud
     assert any("bundled accuracy.py" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+
+
+def test_plan_and_engine_are_info_lines_shown_by_log_level_info_and_no_deprecation_noise(digits, tmp_path, caplog):
+    """Routine lines (the DP plan, the clipping engine) are INFO, not WARNING; `log_level="info"` shows them as the
+    Trainer shows its own INFO lines; transformers' `is_gradient_checkpointing` FutureWarning is not triggered."""
+    from hf_dp_repr import DPTrainer, DPTrainingArguments
+    from hf_dp_repr.tiny import tiny_vit
+
+    from transformers.utils import logging as hf_logging
+
+    library = logging.getLogger("hf_dp_repr")
+    before, hf_before = library.level, hf_logging.get_verbosity()
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=8.0, target_delta=1e-4, max_steps=2,
+                               per_device_train_batch_size=32, trainable_blocks=2, lp_steps=0.5, accountant="rdp",
+                               report_to="none", save_strategy="no", disable_tqdm=True, log_level="info")
+    try:
+        with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO):
+            warnings.simplefilter("default")
+            trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"].select(range(128)))
+            assert library.getEffectiveLevel() == logging.INFO
+            trainer.train()
+    finally:  # the Trainer set transformers' verbosity from log_level too
+        library.setLevel(before)
+        hf_logging.set_verbosity(hf_before)
+    routine = ("DP-SGD plan (", "clipping_engine=", "DP-SGD phase 'fine_tune' starts")
+    for text in routine:
+        levels = {r.levelno for r in caplog.records if text in r.getMessage()}
+        assert levels == {logging.INFO}, (text, levels)
+    assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_rdp_accountant_prints_no_largest_alpha_remark():
+    from hf_dp_repr.privacy.accounting import compute_epsilon
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        eps = compute_epsilon([(20.0, 0.04, 3)], 1e-4, "rdp")  # large σ: Opacus' largest order is the best one
+    assert 0 < eps < 0.1 and not [w for w in seen if RDP_LARGEST_ALPHA in str(w.message)]

@@ -75,7 +75,10 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the engine cannot clip this model exactly (None when it can)."""
-    if getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)):
+    # transformers 5 renamed is_gradient_checkpointing, whose old name now warns when read: read it only if older
+    checkpointing = (model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing")
+                     else getattr(model, "is_gradient_checkpointing", False))
+    if checkpointing:
         return "gradient checkpointing re-runs the forward inside the backward"
     for name, module in model.named_modules():
         if not _own_trainable(module):

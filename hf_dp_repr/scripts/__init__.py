@@ -4,4 +4,11 @@
 Shared parts: `arguments` (script / data / public pre-training arguments, the `--config` parser), `utils` (data
 loading, metrics, public pre-training, the start and end of a run), `checks` (what is refused before any work),
 `report` (what is shown during and after a run).
+
+Importing the package sets up the process (`hf_dp_repr.entry_point`: OMP_WAIT_POLICY=PASSIVE, ...), so every way
+into a recipe (`recipes/*.py`, `hf-dp-repr train`, `python -m hf_dp_repr.scripts.NAME`) does so before torch loads.
 """
+
+from hf_dp_repr.entry_point import prepare_entry_point
+
+prepare_entry_point()

@@ -12,7 +12,6 @@ public pre-training ones, `PublicPretrainingArguments`), and `parse_args`, HfArg
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -89,7 +88,6 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
     `--config file.yaml` (a flat mapping of argument names to values) is expanded in place, before the other
     command-line arguments, so anything given on the command line overrides the file.
     """
-    _cpu_processes_use_gloo()
     config, rest = expand_argv(argv)
     parser = HfArgumentParser(dataclass_types)
     if "-h" in rest or "--help" in rest:
@@ -114,15 +112,6 @@ def expand_argv(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
 def given_options(argv: list[str] | None = None) -> set[str]:
     """Names of the options set on the command line or in the --config file (so a recipe can tell a default apart)."""
     return {a[2:].split("=", 1)[0] for a in expand_argv(argv)[1] if a.startswith("--")}
-
-
-def _cpu_processes_use_gloo() -> None:
-    """Several processes (accelerate launch / torchrun) on a machine without a GPU: tell accelerate to set up
-    torch.distributed on CPU (gloo). Without this each process would train alone, unaware of the others."""
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
-        os.environ["ACCELERATE_USE_CPU"] = "true"
 
 
 def yaml_to_argv(path: str) -> list[str]:

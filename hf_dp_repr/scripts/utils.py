@@ -19,6 +19,7 @@ from pathlib import Path
 from transformers import Trainer, TrainingArguments
 
 from hf_dp_repr import tiny
+from hf_dp_repr.entry_point import one_thread_for_tiny_model
 from hf_dp_repr.output_dir import check_writable
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts.arguments import (  # noqa: F401  (the parser's old home)
@@ -31,9 +32,6 @@ HERE = Path(__file__).resolve().parent
 TINY_MODELS = {name: getattr(tiny, name) for name in
                ("tiny_vit", "tiny_gpt2", "tiny_gpt2_classifier", "tiny_bert_classifier", "tiny_llama")}
 PUBLIC_PRETRAINING_FILE = "public_pretraining.json"
-# Each recipe sets OMP_WAIT_POLICY=PASSIVE (unless set) before torch is imported: on a shared CPU machine, OpenMP
-# threads that spin at barriers while other processes hold the cores made a MiniLM forward pass 8-12x slower
-# (2 shared cores, load 2-4: 133 s instead of 11 s for 1147 paragraphs); passive threads sleep instead.
 RUN_INFO_FILE = "run_info.json"
 
 
@@ -191,7 +189,8 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     if targs.should_save:
         check_writable(targs.output_dir)
     targs.resume_from_checkpoint = resume_point(targs, getattr(margs, "overwrite_output_dir", False))
-    _one_thread_for_tiny_models(getattr(margs, "model_name_or_path", ""))
+    if is_tiny(getattr(margs, "model_name_or_path", "") or ""):
+        one_thread_for_tiny_model()
     if targs.push_to_hub:  # login and write access now, not after training
         from hf_dp_repr.hub import check_hub_access
 
@@ -236,15 +235,6 @@ def train(trainer, overwrite: bool = False):
     return trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
 
 
-def _one_thread_for_tiny_models(model_name: str) -> None:
-    """A tiny model on CPU gains nothing from intra-op threads, and on a busy machine OpenMP threads spinning at
-    barriers made each step up to 10× slower (measured, 2 shared cores): use one, unless OMP_NUM_THREADS says."""
-    import torch
-
-    if is_tiny(model_name) and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-
-
 def setup_logging(training_args) -> None:
     """INFO on the main process; on the others only errors (transformers' and ours, and Python warnings), so that
     with several processes every log line, plan table and warning appears once."""
@@ -260,4 +250,3 @@ def setup_logging(training_args) -> None:
             training_args.log_level_replica = "error"
         transformers.utils.logging.set_verbosity_error()
         logging.captureWarnings(True)  # Python warnings become log records of "py.warnings": dropped here
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

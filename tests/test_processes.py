@@ -1,0 +1,73 @@
+"""Processes launched together form one DP run, or are refused: never several runs on the same data, each with its
+own secret noise, its own save and push, and a ledger stating the ε of one of them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_dp_repr.config_checks import check_one_run, join_cpu_processes, launched_processes
+from hf_dp_repr.errors import ProcessGroupError
+from utils import ACCEL_CONFIG, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    """A clean launcher environment (restored after the test)."""
+    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_processes_that_a_launcher_started_together_must_form_one_world(launcher_env):
+    assert launched_processes() == 1
+    check_one_run(1)  # a process started alone
+    launcher_env.setenv("WORLD_SIZE", "2")
+    assert launched_processes() == 2
+    check_one_run(2)
+    with pytest.raises(ProcessGroupError, match=r"2 processes were launched together \(WORLD_SIZE=2\).*"
+                                                r"ACCELERATE_USE_CPU=true") as err:
+        check_one_run(1)
+    assert isinstance(err.value, RuntimeError)
+    launcher_env.setenv("WORLD_SIZE", "1")
+    launcher_env.setenv("OMPI_COMM_WORLD_SIZE", "4")  # mpirun
+    with pytest.raises(ProcessGroupError, match="OMPI_COMM_WORLD_SIZE=4"):
+        check_one_run(1)
+
+
+def test_cpu_processes_are_joined_and_a_world_that_stays_split_is_refused_before_any_work(launcher_env, tmp_path):
+    join_cpu_processes()  # one process: nothing to join
+    assert "ACCELERATE_USE_CPU" not in os.environ
+    launcher_env.setenv("WORLD_SIZE", "2")
+    join_cpu_processes()  # no GPU here: accelerate is told to use CPU (gloo)
+    assert os.environ["ACCELERATE_USE_CPU"] == "true"
+    # A user who turned that off (or set up accelerate otherwise) gets a world of 1: refused by the arguments.
+    launcher_env.setenv("ACCELERATE_USE_CPU", "false")
+    from hf_dp_repr import DPTrainingArguments
+
+    with pytest.raises(ProcessGroupError, match="the Trainer sees a world of 1"):
+        DPTrainingArguments(output_dir=str(tmp_path / "out"), target_epsilon=1.0, report_to="none")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # two processes under accelerate launch (about 30 s on 2 busy cores)
+def test_a_users_own_script_under_accelerate_launch_is_one_run(tmp_path):
+    """cpu_2proc.yaml on a user's script that does not set ACCELERATE_USE_CPU: before, each process saw a world of
+    1 and rank 0 of its own, trained alone and saved; now the two are one run: one world of 2, one saver, one
+    ledger for 2 processes, one plan printed (log_level="info")."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
+           "--main_process_port", str(free_port()), str(ROOT / "tests" / "one_run_user_script.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["world_size"] for s in seen] == [2, 2] and [s["process_index"] for s in seen] == [0, 1]
+    assert [s["should_save"] for s in seen] == [True, False]
+    assert json.loads((tmp_path / "privacy_ledger.json").read_text())["world_size"] == 2
+    assert (proc.stdout + proc.stderr).count("DP-SGD plan (") == 1
