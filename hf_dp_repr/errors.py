@@ -47,5 +47,9 @@ class HubAccessError(HfDpReprError, RuntimeError):
     """Not logged in, offline, or no write access to the repository: raised before anything is written or sent."""
 
 
+class ModelFileError(HfDpReprError, OSError):
+    """A model's weights file cannot be read (truncated or corrupted); the message names the file and the fix."""
+
+
 __all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
-           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError"]
+           "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "HubAccessError", "ModelFileError"]
