@@ -58,6 +58,7 @@ from .resume import finish_without_training, is_finished
 from .scope import phase_scopes
 from .trainer_clipping import DPClippingMixin
 from .trainer_features import DPFeatureCacheMixin
+from .trainer_fields import check_refused_fields, train_dataloader_options
 from .trainer_report import DPPlanReportMixin
 from .trainer_saving import DPSavingMixin
 from .trainer_search import DPSearchMixin
@@ -83,6 +84,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
         check_hub_strategy(args)  # again: set_push_to_hub() bypasses the arguments' own check
+        check_refused_fields(args)  # and fields set after the arguments were built
         check_public_phase(args, train_dataset, public_train_dataset, public_eval_dataset)
         self.public_train_dataset, self.public_eval_dataset = public_train_dataset, public_eval_dataset
         self.continual_record: dict | None = None  # public → private: switch step, tr(H), decelerator, ε
@@ -193,7 +195,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             self._batch_sampler = ShuffledBatchSampler(num_samples=n, batch_size=batch, **common)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
         return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=ExampleBatchCollator(collator),
-                          num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
+                          **train_dataloader_options(args))
 
     def _train_dataset_and_collator(self):
         dataset, collator = self.train_dataset, self.data_collator
