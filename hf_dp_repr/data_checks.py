@@ -31,6 +31,7 @@ import datasets
 
 from .errors import DPConfigError
 from .privacy.loss import is_causal_lm
+from .privacy.sampler import ExampleBatchCollator
 
 LABELS = "labels"
 LABEL_COLUMNS = (LABELS, "label", "label_ids")  # the default collators turn `label` / `label_ids` into `labels`
@@ -81,8 +82,8 @@ def check_labels(model, dataset) -> None:
     model_name = type(base_model(model)).__name__
     if isinstance(feature, datasets.ClassLabel):
         if feature.num_classes > classes:
-            raise DPConfigError(f"DPTrainer: the training dataset's `{column}` is a ClassLabel of {feature.num_classes} "
-                                f"classes but {model_name} has config.num_labels={classes}; load the model with "
+            raise DPConfigError(f"DPTrainer: the training dataset's `{column}` is a ClassLabel of "
+                                f"{feature.num_classes} classes but {model_name} has config.num_labels={classes}; load the model with "
                                 f"num_labels={feature.num_classes} (e.g. `from_pretrained(name, num_labels="
                                 f"{feature.num_classes}, ignore_mismatched_sizes=True)`).")
         return
@@ -98,7 +99,18 @@ def check_labels(model, dataset) -> None:
         raise DPConfigError(f"DPTrainer: the training dataset's `{column}` holds class id {bad} but {model_name} has "
                             f"config.num_labels={classes} (ids 0..{classes - 1}); load the model with num_labels="
                             f"{max(high + 1, classes)}, or declare the classes with a ClassLabel column "
-                            f"(`dataset.cast_column({column!r}, ClassLabel(names=...))`) and fix the labels outside it.")
+                            f"(`dataset.cast_column({column!r}, ClassLabel(names=...))`) and fix the labels outside "
+                            "it.")
+
+
+def check_train_inputs(trainer) -> None:
+    """What `DPTrainer.train()` checks first: the labels, then a collated probe batch of two rows (through the
+    trainer's column removal and collator): one row per example (no packing), with the model's inputs."""
+    check_labels(trainer.model, trainer.train_dataset)
+    dataset, collator = trainer._train_dataset_and_collator()
+    batch = ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
+    columns = dataset_columns(trainer.train_dataset)
+    check_batch_inputs(trainer.model, batch, columns, trainer.args.remove_unused_columns)
 
 
 def check_batch_inputs(model, batch: Mapping, columns: list[str] | None, remove_unused_columns: bool = True) -> None:

@@ -42,7 +42,7 @@ from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
-from .data_checks import check_batch_inputs, check_labels, dataset_columns
+from .data_checks import check_labels, check_train_inputs
 from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, run_from_states,
                            set_frozen_prefix_modes)
 from .privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan
@@ -155,14 +155,6 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             n = len(self.train_dataset) if self._unit_rows is None else self._unit_rows[1]
             self._plan = plan_run(self.args, n)
         return self._plan
-
-    def _check_train_inputs(self) -> None:
-        """Before any work: labels the model can read, then a collated probe batch: one row per example (no
-        packing), with the model's main input and `labels` (`data_checks`)."""
-        check_labels(self.model, self.train_dataset)
-        dataset, collator = self._train_dataset_and_collator()
-        batch = ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
-        check_batch_inputs(self.model, batch, dataset_columns(self.train_dataset), self.args.remove_unused_columns)
 
     # ---- data: Poisson logical batches --------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -339,7 +331,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
         if self.train_dataset is not None:
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
-            self._check_train_inputs()
+            check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
         if resume_from_checkpoint:
             path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                     else resume_from_checkpoint)

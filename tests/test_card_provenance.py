@@ -26,7 +26,7 @@ def _args(out, **kw):
 
 @pytest.fixture(scope="module")
 def local_base_run(digits, tmp_path_factory):
-    """A ViT 'pre-trained' into a local folder, reloaded by its absolute path, DP fine-tuned (ghost engine) and saved."""
+    """A ViT 'pre-trained' into a local folder, reloaded by its absolute path, DP fine-tuned and saved."""
     root = tmp_path_factory.mktemp("secret-home-dir")
     base = root / "public_pretrained"
     tiny_vit().save_pretrained(base)

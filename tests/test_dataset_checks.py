@@ -7,6 +7,7 @@ from datasets import ClassLabel, Value
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr import errors
+from hf_dp_repr.data_checks import check_train_inputs
 from hf_dp_repr.errors import DPConfigError
 from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.tiny import tiny_vit
@@ -52,11 +53,12 @@ def test_a_collator_that_builds_the_input_from_another_column_passes(train, tmp_
     raw = train.rename_column("pixel_values", "image").with_format("torch")
 
     def collate(rows):
-        return {"pixel_values": torch.stack([r["image"] for r in rows]), "labels": torch.stack([r["labels"] for r in rows])}
+        return {"pixel_values": torch.stack([r["image"] for r in rows]),
+                "labels": torch.stack([r["labels"] for r in rows])}
 
     trainer = DPTrainer(model=tiny_vit(), args=_args(tmp_path, remove_unused_columns=False), train_dataset=raw,
                         data_collator=collate)
-    trainer._check_train_inputs()  # what train() runs first: the probe batch has what forward reads, no error
+    check_train_inputs(trainer)  # what train() runs first: the probe batch has what forward reads, no error
 
 
 def test_string_labels_are_refused_with_class_encode_column(train, tmp_path):

@@ -73,8 +73,9 @@ def test_dataloader_options_reach_the_training_dataloader(digits, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(digits, tmp_path_factory):
-    args = DPTrainingArguments(output_dir=str(tmp_path_factory.mktemp("push")), noise_multiplier=1.0, target_delta=1e-4, max_steps=1,
-                               per_device_train_batch_size=64, report_to="none", save_strategy="no", disable_tqdm=True)
+    args = DPTrainingArguments(output_dir=str(tmp_path_factory.mktemp("push")), noise_multiplier=1.0,
+                               target_delta=1e-4, max_steps=1, per_device_train_batch_size=64, report_to="none",
+                               save_strategy="no", disable_tqdm=True)
     trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"].select(range(256)))
     trainer.train()
     return trainer
