@@ -55,8 +55,7 @@ NEIGHBORING = {
     "replace_one": "replace one example",
 }
 ENGINES = {  # DPTrainer.clipping_engine: what clipped the per-example gradients (same clipping, same guarantee)
-    "ghost": "per-example clipping by ghost norms and book-keeping (hf-dp-repr's ghost clipping engine; no per-example "
-             "gradient held for large tensors)",
+    "ghost": "per-example clipping by ghost norms and book-keeping, hf-dp-repr's ghost clipping engine",
     "hooks": "per-example clipping on Opacus' per-sample gradient hooks",
 }
 # The card keywords of `Trainer.push_to_hub` / `Trainer.create_model_card` → the ModelCardInfo field that states them.
@@ -169,7 +168,8 @@ def refresh_model_card(folder: str | os.PathLike, *, write: bool = True) -> Mode
     if (folder / CARD_FILE).is_file():
         meta = ModelCard.load(folder / CARD_FILE).data.to_dict().get(META_KEY) or {}
     card = render_model_card(ledger, model_card_info=meta.get("info"), scope=meta.get("scope", "all parameters"),
-                             output_dir=folder, engine=meta.get("engine"), base_model_local=meta.get("base_model_local"))
+                             output_dir=folder, engine=meta.get("engine"),
+                             base_model_local=meta.get("base_model_local"))
     if write:
         card.save(folder / CARD_FILE)
     return card
@@ -196,8 +196,9 @@ def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | N
     values["canary_audit"] = _audit_row(audit)
     values["engine_text"] = ENGINES.get(engine, "per-example clipping")
     if base_model_local:
-        values["base_model_text"] += (f" (loaded from a local folder, `{base_model}`, not from the Hub)"
-                                      if values["base_model_text"] != base_model else " (a local folder, not a Hub model)")
+        described = values["base_model_text"] != base_model
+        values["base_model_text"] += (f" (loaded from a local folder, `{base_model}`, not from the Hub)" if described
+                                      else " (a local folder, not a Hub model)")
     tags = list(TAGS if values["private"] else NON_PRIVATE_TAGS)
     meta = {"scope": scope, "info": {k: v for k, v in info.items() if v is not None}, "engine": engine,
             "base_model_local": base_model_local or None}
@@ -310,7 +311,9 @@ def _law_rows(laws: dict | None) -> list[dict]:
             fit = entry.get(key)
             if fit:
                 layers = fit.get("layers") or []
-                rows.append(dict(label=label, law=law_name, rho=_fmt(fit["rho"]), r=_fmt(fit.get("r")),
+                ok = fit.get("reliable", True)  # False: meaningless by the analyzer's own check, not published
+                rows.append(dict(label=label, law=law_name, rho=_fmt(fit["rho"]) if ok else "withheld: too few rows",
+                                 r=_fmt(fit.get("r")) if ok else "n/a",
                                  layers=f"{layers[0]}..{layers[-1]}" if layers else "?"))
     return rows
 
