@@ -185,6 +185,8 @@ def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | N
     if info.get("base_model"):
         base_model_local = bool(base_model_local) or (is_local_path(info["base_model"])
                                                        and not cached_hub_id(info["base_model"]))
+    if info.get("datasets"):  # Hub dataset ids only: a local dataset path is no id, not even cut short
+        info["datasets"] = [d for d in info["datasets"] if not is_local_path(d)]
     info = {k: ([public_text(x) for x in v] if isinstance(v, list) else public_text(v)) for k, v in info.items()}
     results = _load_json(Path(output_dir) / RESULTS_FILE) if output_dir is not None else None
     laws = _load_json(Path(output_dir) / LAW_FILE) if output_dir is not None else None

@@ -56,6 +56,9 @@ def test_a_local_base_model_is_named_by_its_folder_never_its_path(local_base_run
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model is None  # the Hub metadata names Hub models only
     assert card.data.to_dict()["hf_dp_repr"]["base_model_local"] is True
+    info = {"private_data": f"1006 rows of {root}/data/cifar.npz", "datasets": [f"{root}/data/cifar.npz", "cifar10"]}
+    card = render_model_card(json.loads((out / "privacy_ledger.json").read_text()), model_card_info=info)
+    assert card.data.datasets == ["cifar10"] and "1006 rows of cifar.npz" in card.text and str(root) not in card.content
 
 
 def test_lora_adapter_config_names_no_local_path(tmp_path):
