@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 import importlib
 
 from .errors import (AuditDataError, CheckpointMismatchError, DPConfigError, HfDpReprError,  # noqa: E402
-                     HubAccessError, NotPrivatizableError, OutOfReachError, OutputDirError, PrivacyBudgetExhaustedError,
-                     ProcessGroupError, ScopeError, TuningDataError)
+                     HubAccessError, ModelFileError, NotPrivatizableError, OutOfReachError, OutputDirError,
+                     PrivacyBudgetExhaustedError, ProcessGroupError, ScopeError, TuningDataError)
 from .quiet import silence_known_noise  # noqa: E402
 
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)
@@ -36,4 +36,4 @@ def __dir__():
 __all__ = ["DPTrainer", "DPTrainingArguments", "PrivacyLedger", "PrivacyPlan", "calibrate_noise_multiplier",
            "compute_epsilon", "HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
            "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError",
-           "ProcessGroupError", "AuditDataError"]
+           "ProcessGroupError", "AuditDataError", "ModelFileError"]

@@ -5,7 +5,7 @@
 
     hf-dp-repr analyze --model out/ --dataset digits --out report/
 
-    hf-dp-repr push out/ --hub_model_id me/name [--private] [--revision BRANCH]
+    hf-dp-repr push out/ --hub_model_id me/name [--private] [--revision BRANCH] [--dry-run]
 
     hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text)
 
@@ -17,7 +17,8 @@
 `push` uploads a finished run (a DPTrainer output_dir) through the same allow-list as every other push: weights,
 tokenizer / processor files, eval metrics, representation laws, `privacy_ledger.json` and the DP card, refreshed
 from the ledger first. It refuses a folder without a ledger; login and write access are checked before anything
-is written. The token comes from `hf auth login` or HF_TOKEN.
+is written. The token comes from `hf auth login` or HF_TOKEN. `--dry-run` prints the card and the files that
+would be pushed, and writes and sends nothing (no login needed).
 
 Each command imports what it needs when it runs (`hf-dp-repr privacy` loads the accountants, not the trainer, peft
 or datasets), and `main` sets up the process first (`hf_dp_repr.entry_point`), before anything imports torch.
@@ -114,6 +115,8 @@ def _add_push_parser(subparsers) -> None:
     p.add_argument("--private", action="store_true", help="Create the repository as private (if it is new).")
     p.add_argument("--revision", default=None, help="Branch to push to (default: main).")
     p.add_argument("--commit_message", default="DP-SGD run (hf-dp-repr)")
+    p.add_argument("--dry-run", action="store_true", help="Print the model card and the files that would be pushed; "
+                   "write and send nothing.")
     p.set_defaults(func=run_push)
 
 
@@ -122,9 +125,14 @@ def run_push(args: argparse.Namespace) -> int:
 
     try:
         info = push_run_folder(args.output_dir, args.hub_model_id, private=args.private or None,
-                               revision=args.revision, commit_message=args.commit_message)
+                               revision=args.revision, commit_message=args.commit_message, dry_run=args.dry_run)
     except (ValueError, HubAccessError) as err:
         raise SystemExit(str(err)) from None
+    if args.dry_run:
+        print(info.content)
+        print(f"dry run: would push {', '.join(files_to_push(args.output_dir))} to {args.hub_model_id} (README.md as "
+              "above); nothing was written or sent")
+        return 0
     print(f"pushed {', '.join(files_to_push(args.output_dir))} to {getattr(info, 'commit_url', info)}")
     return 0
 

@@ -23,6 +23,7 @@ from .errors import DPConfigError
 from .head_init import HEAD_INITS, check_head_init
 from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from .privacy.optimizer import CLIPPING_MODES
+from .trainer_fields import check_refused_fields
 
 CLIPPING_ENGINES = ("auto", "ghost", "hooks")
 
@@ -274,11 +275,6 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise DPConfigError("DPTrainingArguments: clipping='none' bounds no example's influence, so no noise makes it "
                             "private; it is only for the non-private reference: set noise_multiplier=0 (and no "
                             "target_epsilon), or use clipping='flat'.")
-    if args.max_grad_norm:
-        raise DPConfigError(
-            f"DPTrainingArguments: max_grad_norm={args.max_grad_norm} would clip the summed, non-private gradient "
-            "and log its norm. Leave it at 0 and set per_sample_max_grad_norm for per-example clipping."
-        )
     if args.trainable_blocks is not None and args.trainable_blocks < 0:
         raise DPConfigError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
@@ -299,30 +295,11 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
             raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     validate_cache_fields(args)
-    if args.hub_token:
-        raise DPConfigError("DPTrainingArguments: hub_token would be pickled into training_args.bin, which is saved "
-                         "with every checkpoint. Log in with `hf auth login` or set HF_TOKEN instead.")
     if args.noise_seed is not None and args.secure_mode:
         raise DPConfigError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
                          "unguessable; drop one of them.")
-    if args.ignore_data_skip:
-        raise DPConfigError(
-            "DPTrainingArguments: ignore_data_skip=True would replay the epoch's batch draws on resume while the "
-            "accountant counts fresh ones (and mix up the phases' sample rates). Leave it False: the skipped "
-            "batches are index draws only."
-        )
-    if args.fp16:
-        raise DPConfigError(
-            "DPTrainingArguments: fp16=True is refused under DP: the Trainer's GradScaler multiplies the loss, hence "
-            "every per-example gradient, by its loss scale before clipping, so per_sample_max_grad_norm would clip the "
-            "scaled gradients (and on a CPU fp16 is ignored). Use bf16=True (no loss scaling) or full precision."
-        )
     check_hub_strategy(args)
-    if args.auto_find_batch_size:
-        raise DPConfigError(
-            "DPTrainingArguments: auto_find_batch_size changes the sampling rate mid-run, which breaks the privacy "
-            "accounting. Set per_device_train_batch_size and gradient_accumulation_steps yourself."
-        )
+    check_refused_fields(args)  # the Trainer's own options that DP-SGD cannot honour (trainer_fields.FIELDS)
 
 
 def _validate_activation_checkpointing(args: DPTrainingArguments) -> None:

@@ -66,6 +66,10 @@ class ProcessGroupError(HfDpReprError, RuntimeError):
     own DP run on the same data. Raised before any work."""
 
 
+class ModelFileError(HfDpReprError, OSError):
+    """A model's weights file cannot be read (truncated or corrupted); the message names the file and the fix."""
+
+
 __all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError", "AuditDataError",
            "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError",
-           "ProcessGroupError"]
+           "ProcessGroupError", "ModelFileError"]

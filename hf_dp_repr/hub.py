@@ -239,11 +239,13 @@ def push_dp_model(trainer, repo_id: str | None = None, *, commit_message: str = 
 
 def push_run_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
                     revision: str | None = None, commit_message: str = "DP-SGD run (hf-dp-repr)",
-                    token: str | None = None):
+                    token: str | None = None, dry_run: bool = False):
     """`hf-dp-repr push`: push a finished run's folder through the allow-list, its card refreshed from the ledger.
 
-    Every check (folder, ledger, weights, metrics, login and write access) comes before anything is written."""
+    Every check (folder, ledger, weights, metrics, login and write access) comes before anything is written.
+    `dry_run`: run the local checks and return the card that would be pushed; nothing is written or sent."""
     from .model_card import refresh_model_card
+    from .public_names import public_adapter_config
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -253,6 +255,9 @@ def push_run_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | 
         raise ValueError(f"hf-dp-repr push: {folder} holds no model weights (*.safetensors, pytorch_model*.bin, "
                          "adapter_model.*); save the model with DPTrainer.save_model() first.")
     card = refresh_model_card(folder, write=False)  # rendered (and checked) before anything is written
+    if dry_run:
+        return card
     repo_id = create_repo(check_hub_access(repo_id, token), private=private, token=token)
     card.save(folder / CARD_FILE)
+    public_adapter_config(folder)  # a run saved before adapters' local base paths were removed
     return upload_run(folder, repo_id, commit_message=commit_message, revision=revision, token=token)

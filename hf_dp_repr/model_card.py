@@ -43,6 +43,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .privacy.ledger import LEDGER_FILE
 from .privacy.units import ROW, describe_unit
+from .public_names import cached_hub_id, is_local_path, public_text
 
 TEMPLATE_NAME = "dp_model_card.md"
 RESULTS_FILE = "all_results.json"
@@ -62,6 +63,14 @@ NEIGHBORING = {
                   "guarantee above",
     "replace_one": "replace one example (n is public: this card states it)",
 }
+ENGINES = {  # DPTrainer.clipping_engine: what clipped the per-example gradients (same clipping, same guarantee)
+    "ghost": "per-example clipping by ghost norms and book-keeping, hf-dp-repr's ghost clipping engine",
+    "hooks": "per-example clipping on Opacus' per-sample gradient hooks",
+}
+# The card keywords of `Trainer.push_to_hub` / `Trainer.create_model_card` → the ModelCardInfo field that states them.
+TRAINER_CARD_ARGS = {"model_name": "model_name", "license": "license", "language": "language", "tags": "tags",
+                     "finetuned_from": "base_model", "dataset": "datasets", "dataset_tags": "datasets"}
+_LISTS = ("datasets", "language", "tags")
 _VERSIONED = ("hf_dp_repr", "torch", "transformers", "opacus", "accelerate", "datasets", "peft", "huggingface_hub")
 
 
@@ -72,7 +81,8 @@ class ModelCardInfo:
     `model_name`: what was fine-tuned on what (the card's title adds whether it is differentially private);
     `base_model`: Hub name, for the card's metadata; `base_model_description`: free text; `datasets`: Hub dataset
     ids, for the metadata; `private_data` / `public_data`: one-line descriptions; `analysis_data`: what the
-    representation laws were measured on; `license`.
+    representation laws were measured on; `license`, `language`, `tags` (added to the DP tags): card metadata.
+    A local path in any of them is published as its last component only (`public_names.public_text`).
     """
 
     model_name: str | None = None
@@ -83,6 +93,8 @@ class ModelCardInfo:
     public_data: str | None = None
     analysis_data: str | None = None
     license: str | None = None
+    language: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
 
     @classmethod
     def from_value(cls, value: ModelCardInfo | dict | None) -> ModelCardInfo:
@@ -94,11 +106,29 @@ class ModelCardInfo:
         if unknown:
             raise TypeError(f"model_card_info: unknown field(s) {sorted(unknown)}; ModelCardInfo has "
                             f"{[f.name for f in fields(cls)]}.")
-        return cls(**{**value, "datasets": tuple(value.get("datasets") or ())})
+        return cls(**{**value, **{k: _as_tuple(value.get(k)) for k in _LISTS}})
 
     def to_dict(self) -> dict:
         """The fields that are set (what the card's metadata keeps)."""
-        return {k: (list(v) if k == "datasets" else v) for k, v in asdict(self).items() if v not in (None, (), [])}
+        return {k: (list(v) if k in _LISTS else v) for k, v in asdict(self).items() if v not in (None, (), [])}
+
+    def with_trainer_card_args(self, **kwargs) -> ModelCardInfo:
+        """This info updated with the card keywords of `Trainer.push_to_hub` / `create_model_card` (`license`, `tags`,
+        `language`, `model_name`, `finetuned_from` → base_model, `dataset` / `dataset_tags` → datasets); `tasks` and
+        `dataset_args` (the Trainer's model-index of results) are refused, as is any other keyword."""
+        unknown = sorted(set(kwargs) - set(TRAINER_CARD_ARGS))
+        if unknown:
+            raise TypeError(f"DPTrainer: push_to_hub / create_model_card got {unknown}, which the DP model card cannot "
+                            f"state (tasks and dataset_args fill the Trainer's model-index of results, which the DP "
+                            f"card replaces by its own Evaluation table); it takes {sorted(TRAINER_CARD_ARGS)}, "
+                            "hub_model_id, and everything else through model_card_info=ModelCardInfo(...).")
+        updates = self.to_dict()
+        for key, value in kwargs.items():
+            field_ = TRAINER_CARD_ARGS[key]
+            if field_ in _LISTS:
+                value = tuple(dict.fromkeys(_as_tuple(updates.get(field_)) + _as_tuple(value)))
+            updates[field_] = value
+        return ModelCardInfo.from_value(updates)
 
 
 def template_path() -> str:
@@ -131,7 +161,8 @@ def write_model_card(trainer, output_dir: str | os.PathLike) -> ModelCard:
         (output_dir / SEARCH_FILE).write_text(json.dumps(search, indent=2))
     elif (output_dir / SEARCH_FILE).is_file():
         (output_dir / SEARCH_FILE).unlink()  # from a model saved here before, not this one
-    card = render_model_card(ledger, model_card_info=info, scope=scope, output_dir=output_dir)
+    card = render_model_card(ledger, model_card_info=info, scope=scope, output_dir=output_dir,
+                             engine=getattr(trainer, "clipping_engine", None))
     card.save(output_dir / CARD_FILE)
     return card
 
@@ -151,29 +182,47 @@ def refresh_model_card(folder: str | os.PathLike, *, write: bool = True) -> Mode
     if (folder / CARD_FILE).is_file():
         meta = ModelCard.load(folder / CARD_FILE).data.to_dict().get(META_KEY) or {}
     card = render_model_card(ledger, model_card_info=meta.get("info"), scope=meta.get("scope", "all parameters"),
-                             output_dir=folder)
+                             output_dir=folder, engine=meta.get("engine"),
+                             base_model_local=meta.get("base_model_local"))
     if write:
         card.save(folder / CARD_FILE)
     return card
 
 
 def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | None = None,
-                      scope: str = "all parameters", output_dir: str | os.PathLike | None = None) -> ModelCard:
-    """Render the card from a ledger dict (`PrivacyLedger.to_dict()`) and what `output_dir` holds."""
+                      scope: str = "all parameters", output_dir: str | os.PathLike | None = None,
+                      engine: str | None = None, base_model_local: bool | None = None) -> ModelCard:
+    """Render the card from a ledger dict (`PrivacyLedger.to_dict()`) and what `output_dir` holds. `engine`: the
+    clipping engine that ran (`DPTrainer.clipping_engine`). No local path is published: a local base model is
+    named by its folder's name and said to be local (`base_model_local`, also kept in the metadata)."""
     info = ModelCardInfo.from_value(model_card_info).to_dict()
+    if info.get("base_model"):
+        base_model_local = bool(base_model_local) or (is_local_path(info["base_model"])
+                                                       and not cached_hub_id(info["base_model"]))
+    if info.get("datasets"):  # Hub dataset ids only: a local dataset path is no id, not even cut short
+        info["datasets"] = [d for d in info["datasets"] if not is_local_path(d)]
+    info = {k: ([public_text(x) for x in v] if isinstance(v, list) else public_text(v)) for k, v in info.items()}
     results = _load_json(Path(output_dir) / RESULTS_FILE) if output_dir is not None else None
     laws = _load_json(Path(output_dir) / LAW_FILE) if output_dir is not None else None
     audit = _load_json(Path(output_dir) / CANARY_AUDIT_FILE) if output_dir is not None else None
     search = _load_json(Path(output_dir) / SEARCH_FILE) if output_dir is not None else None
     base_model = info.get("base_model")
-    hub_base = base_model if _looks_like_hub_id(base_model) else None
+    hub_base = base_model if _looks_like_hub_id(base_model) and not base_model_local else None
     datasets_ = [d for d in info.get("datasets", []) if _looks_like_hub_id(d)]
     values = _template_values(ledger, info, scope, results, laws, search)
     values["canary_audit"] = _audit_row(audit)
+    values["engine_text"] = ENGINES.get(engine, "per-example clipping")
+    if base_model_local:
+        described = values["base_model_text"] != base_model
+        values["base_model_text"] += (f" (loaded from a local folder, `{base_model}`, not from the Hub)" if described
+                                      else " (a local folder, not a Hub model)")
+    tags = list(TAGS if values["private"] else NON_PRIVATE_TAGS)
+    meta = {"scope": scope, "info": {k: v for k, v in info.items() if v is not None}, "engine": engine,
+            "base_model_local": base_model_local or None}
     card_data = ModelCardData(
-        library_name="transformers", tags=list(TAGS if values["private"] else NON_PRIVATE_TAGS), base_model=hub_base,
-        datasets=datasets_ or None, license=info.get("license"),
-        **{META_KEY: {"scope": scope, "info": {k: v for k, v in info.items() if v is not None}}},
+        library_name="transformers", tags=tags + [t for t in info.get("tags", []) if t not in tags],
+        base_model=hub_base, datasets=datasets_ or None, license=info.get("license"),
+        language=info.get("language") or None, **{META_KEY: {k: v for k, v in meta.items() if v is not None}},
     )
     return ModelCard.from_template(card_data, template_path=template_path(), **values)
 
@@ -321,7 +370,9 @@ def _law_rows(laws: dict | None) -> list[dict]:
             fit = entry.get(key)
             if fit:
                 layers = fit.get("layers") or []
-                rows.append(dict(label=label, law=law_name, rho=_fmt(fit["rho"]), r=_fmt(fit.get("r")),
+                ok = fit.get("reliable", True)  # False: meaningless by the analyzer's own check, not published
+                rows.append(dict(label=label, law=law_name, rho=_fmt(fit["rho"]) if ok else "withheld: too few rows",
+                                 r=_fmt(fit.get("r")) if ok else "n/a",
                                  layers=f"{layers[0]}..{layers[-1]}" if layers else "?"))
     return rows
 
@@ -362,6 +413,10 @@ def _load_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return None
+
+
+def _as_tuple(value) -> tuple:
+    return () if not value else (value,) if isinstance(value, str) else tuple(value)
 
 
 def _looks_like_hub_id(name) -> bool:

@@ -41,6 +41,7 @@ from .lora import has_peft_adapters
 from .model_card import ModelCardInfo
 from .plan import plan_run, resume_ledger
 from .continual import check_public_phase, finish_record, start_continual
+from .data_checks import check_labels, check_train_inputs
 from .prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, run_from_states,
                            set_frozen_prefix_modes)
 from .privacy.ledger import PrivacyLedger, PrivacyPlan
@@ -57,6 +58,7 @@ from .resume import checkpoint_to_resume, finish_without_training, is_finished, 
 from .scope import phase_scopes
 from .trainer_clipping import DPClippingMixin
 from .trainer_features import DPFeatureCacheMixin
+from .trainer_fields import check_refused_fields, train_dataloader_options
 from .trainer_report import DPPlanReportMixin
 from .trainer_saving import DPSavingMixin
 from .trainer_search import DPSearchMixin
@@ -84,6 +86,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             )
         check_hub_strategy(args)  # again: set_push_to_hub() bypasses the arguments' own check
         check_one_run(args.world_size)  # again: accelerate's state may have been set up anew since the arguments
+        check_refused_fields(args)  # and fields set after the arguments were built
         check_public_phase(args, train_dataset, public_train_dataset, public_eval_dataset)
         self.public_train_dataset, self.public_eval_dataset = public_train_dataset, public_eval_dataset
         self.continual_record: dict | None = None  # public → private: switch step, tr(H), decelerator, ε
@@ -129,6 +132,8 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
             if hasattr(cb, "attach"):
                 cb.attach(self)
+        if train_dataset is not None and self.model is not None:
+            check_labels(self.model, train_dataset)  # the batch's keys are checked by train(): the collator may change
 
     def call_model_init(self, trial=None):
         """The Trainer's, then `args.head_init` applied to the fresh model. During a hyperparameter search the
@@ -186,7 +191,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             self._batch_sampler = ShuffledBatchSampler(num_samples=n, batch_size=batch, **common)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
         return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=ExampleBatchCollator(collator),
-                          num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
+                          **train_dataloader_options(args))
 
     def _train_dataset_and_collator(self):
         dataset, collator = self.train_dataset, self.data_collator
@@ -331,8 +336,9 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         check_one_run(self.args.world_size)
         self._check_eval_overlap()  # the eval set or the arguments may have changed since init
         self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
-        if self.train_dataset is not None:  # refuse packed or mixed rows, and what clipping cannot see, before work
+        if self.train_dataset is not None:  # before any work: labels, the model's inputs, rows that are not examples
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
+            check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
             dataset, collator = self._train_dataset_and_collator()
             self._several_rows = probe_training_rows(self, dataset, ExampleBatchCollator(collator),
                                                      self._scopes[-1] if self._scopes else None)

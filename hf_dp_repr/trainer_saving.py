@@ -75,6 +75,10 @@ class DPSavingMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.should_save:  # peft records the base model's local path; it must not be pushed
+            from .public_names import public_adapter_config
+
+            public_adapter_config(output_dir or self.args.output_dir)
         self._save_privacy_record(output_dir or self.args.output_dir)
 
     # ---- checkpoints: whole or absent ------------------------------------------------------------------
@@ -153,23 +157,34 @@ class DPSavingMixin:
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, token: str | None = None,
                     revision: str | None = None, private: bool | None = None, **kwargs):
         """Save, then upload the run through `hf_dp_repr.hub.push_dp_model`: an allow-list of files (weights,
-        metrics, representation laws, privacy ledger, the DP model card), never checkpoints or training_args.bin."""
+        metrics, representation laws, privacy ledger, the DP model card), never checkpoints or training_args.bin.
+        `hub_model_id=` names the repository (default: args.hub_model_id, else output_dir's name); the Trainer's card
+        keywords (license, tags, language, model_name, finetuned_from, dataset) go into the DP card; others are
+        refused (`ModelCardInfo.with_trainer_card_args`)."""
         from .hub import push_dp_model
+        from .model_card import ModelCardInfo
 
+        repo_id = kwargs.pop("hub_model_id", None) or self.hub_model_id or self.args.hub_model_id
+        if kwargs:  # the Trainer's card keywords (license, tags, ...) go into the DP card; the others are refused
+            self.model_card_info = ModelCardInfo.from_value(self.model_card_info).with_trainer_card_args(**kwargs)
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         self.save_model(_internal_call=True)
         self._finish_current_push()
-        return push_dp_model(self, self.hub_model_id or self.args.hub_model_id, commit_message=commit_message,
-                             revision=revision or self.args.hub_revision, token=token, private=private,
-                             run_as_future=not blocking)
+        return push_dp_model(self, repo_id, commit_message=commit_message, revision=revision or self.args.hub_revision,
+                             token=token, private=private, run_as_future=not blocking)
 
     def create_model_card(self, *args, **kwargs):
-        """The DP model card (ε, δ, σ, scope, ...), never the Trainer's generic one, which would overwrite it."""
+        """The DP model card (ε, δ, σ, scope, ...), never the Trainer's generic one, which would overwrite it; the
+        Trainer's card keywords (license, tags, language, ...) go into it (`ModelCardInfo.with_trainer_card_args`)."""
         if self.ledger is None:
             return super().create_model_card(*args, **kwargs)
-        if self.is_world_process_zero():
-            from .model_card import write_model_card
+        from .model_card import ModelCardInfo, write_model_card
 
+        if args:
+            raise TypeError("DPTrainer.create_model_card: pass its arguments by name (license=..., tags=...).")
+        if kwargs:
+            self.model_card_info = ModelCardInfo.from_value(self.model_card_info).with_trainer_card_args(**kwargs)
+        if self.is_world_process_zero():
             write_model_card(self, self.args.output_dir)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:

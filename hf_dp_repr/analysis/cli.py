@@ -60,6 +60,9 @@ from .plots import plot_laws
 __all__ = ["add_analyze_parser", "run_analyze", "EMBEDDED_DATASETS", "summary_table"]
 
 logger = logging.getLogger(__name__)
+TRAIN_SPLIT_WARNING = ("analysing the 'train' split: if a model was trained on it under DP (the recipes' private set "
+                       "is the training split), these numbers are computed from private data outside DP-SGD, a "
+                       "release no accountant counts. Inspect them; publish only numbers from a public split.")
 
 
 def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -111,6 +114,8 @@ def run_analyze(args: argparse.Namespace) -> int:
                          "itself; choose another split")
     if args.knn and args.knn_memory == "train":
         warnings.warn(KNN_MEMORY_WARNING.format(split=args.knn_memory), UserWarning, stacklevel=2)
+    if args.split == "train":
+        warnings.warn(TRAIN_SPLIT_WARNING, UserWarning, stacklevel=2)
     results, reports = {}, {}
     for label, name in zip(labels, args.model):
         logger.info("analysing %s on %s/%s", name, args.dataset, args.split)
@@ -132,9 +137,16 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 
 def summary_table(results: dict[str, dict]) -> str:
-    """One Markdown row per model: task, examples, ρ (and Pearson r) of each law, kNN accuracy."""
+    """One Markdown row per model: task, examples, ρ (and Pearson r) of each law, kNN accuracy. A law the analyzer
+    calls meaningless (listed under `"unreliable"` in the JSON, its fit marked `"reliable": false`; e.g. PR_l with
+    no more rows than feature dims) is withheld, marked † and explained under the table."""
+    reasons: list[str] = []
 
     def law(entry, name):
+        reason = (entry.get("unreliable") or {}).get(name)
+        if reason:
+            reasons.extend([] if reason in reasons else [reason])
+            return "withheld" + "†" * (reasons.index(reason) + 1)
         fit = entry.get(f"{name}_law")
         if not fit:
             return "n/a"
@@ -147,6 +159,8 @@ def summary_table(results: dict[str, dict]) -> str:
         task = e["task"] + (f" ({e['pooling']})" if e["pooling"] != "tokens" else "")
         lines.append(f"| {label} | {task} | {e['num_examples']} | {law(e, 'fuzziness')} | {law(e, 'residual')} | "
                      f"{'n/a' if knn is None else f'{100 * knn:.1f} %'} |")
+    lines += [f"{'†' * (i + 1)} withheld: {reason} (the JSON keeps the values, marked \"reliable\": false)"
+              for i, reason in enumerate(reasons)]
     return "\n".join(lines)
 
 

@@ -104,9 +104,12 @@ def analyze_representations(
         raise ValueError("no rows to analyse: the dataset is empty or has no predicted positions "
                          "(language sequences need at least 2 non-padding tokens)")
     dim = max(stats.dim for stats in res)
-    if positions <= dim + 1:
-        warnings.warn(f"only {positions} rows for {dim}-dim features: the least-squares fit is exact, so PR_l "
-                      f"≈ 0 says nothing about the layers; analyse more than {dim + 1} examples/tokens")
+    unreliable = {}
+    if positions <= dim + 1:  # the residual of an exact fit: reported, but flagged and withheld from tables
+        unreliable["residual"] = (f"only {positions} rows for {dim}-dim features: the least-squares fit is exact, so "
+                                  f"PR_l ≈ 0 says nothing about the layers; analyse more than {dim + 1} "
+                                  "examples/tokens")
+        warnings.warn(unreliable["residual"])
     residual = [stats.residual() for stats in res]
     fuzziness = [stats.fuzziness() for stats in sep] if sep else None
     notes = [{VISION: LAYER0_NOTE, TEXT: TEXT_LAYER0_NOTE}[task]] if task in LABELLED and pooling == "cls" else []
@@ -120,6 +123,7 @@ def analyze_representations(
         fuzziness_law=fuzziness_law(fuzziness) if fuzziness else None,
         residual_law=residual_law(residual),
         notes=notes,
+        unreliable=unreliable,
     )
 
 

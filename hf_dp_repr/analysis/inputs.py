@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hf_dp_repr.data import DIGITS, STDLIB_BLOCKS, STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path
+from hf_dp_repr.model_files import explained_load_errors
 
 from .batches import LANGUAGE, TEXT, VISION
 from .model_kind import DECODER, ENCODER, ENCODER_DECODER, text_model_kind
@@ -37,7 +38,8 @@ def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
     config = transformers.AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or [None])[0]
     model_class = getattr(transformers, arch, None) if arch else None
-    model = (model_class or transformers.AutoModel).from_pretrained(path, dtype=torch.float32)
+    with explained_load_errors(path):  # a truncated weights file: name it and the fix
+        model = (model_class or transformers.AutoModel).from_pretrained(path, dtype=torch.float32)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):  # no tokenizer files saved with the model

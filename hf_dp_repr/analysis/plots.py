@@ -47,6 +47,9 @@ def plot_laws(curves: Mapping[str, RepresentationReport], path: str | Path, titl
             values = getattr(report, name)
             if values is None:
                 continue
+            if name in report.unreliable:  # the analyzer calls it meaningless: no curve, a legend entry says why
+                ax.plot([], [], linestyle="none", label=f"{label}: withheld (too few rows)")
+                continue
             layers = [layer for layer, v in enumerate(values) if math.isfinite(v) and v > 0]
             law = getattr(report, f"{name}_law")
             legend = label if law is None else f"{label} (ρ={law.rho:.2f})"

@@ -24,6 +24,9 @@ class RepresentationReport:
         residual: PR_l per layer.
         fuzziness_law: fit over layers 0..L; residual_law: fit over layers 1..L (see `law.py`).
         notes: how particular layers were read (e.g. layer 0 under [CLS] pooling).
+        unreliable: the measures the analyzer itself calls meaningless ("residual" with no more rows than feature
+            dims + 1: an exact fit), with the reason. Their values stay in `to_dict()` with `"reliable": false`;
+            `metrics()` and the `hf-dp-repr analyze` table withhold them.
     """
 
     task: str
@@ -35,6 +38,7 @@ class RepresentationReport:
     fuzziness_law: LawFit | None = None
     residual_law: LawFit | None = None
     notes: list[str] = field(default_factory=list)
+    unreliable: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -50,9 +54,10 @@ class RepresentationReport:
             "num_positions": self.num_positions,
             "fuzziness": _clean(self.fuzziness),
             "residual": _clean(self.residual),
-            "fuzziness_law": _clean_law(self.fuzziness_law),
-            "residual_law": _clean_law(self.residual_law),
+            "fuzziness_law": _clean_law(self.fuzziness_law, self.unreliable.get("fuzziness")),
+            "residual_law": _clean_law(self.residual_law, self.unreliable.get("residual")),
             "notes": list(self.notes),
+            "unreliable": dict(self.unreliable),
         }
 
     @classmethod
@@ -70,6 +75,7 @@ class RepresentationReport:
             fuzziness_law=law(data["fuzziness_law"]),
             residual_law=law(data["residual_law"]),
             notes=list(data.get("notes", [])),
+            unreliable=dict(data.get("unreliable", {})),
         )
 
     def metrics(self, prefix: str = "repr/") -> dict[str, float]:
@@ -80,7 +86,7 @@ class RepresentationReport:
             ("fuzziness", self.fuzziness, self.fuzziness_law),
             ("residual", self.residual, self.residual_law),
         ):
-            if values is None:
+            if values is None or name in self.unreliable:  # withheld: trackers would plot it unflagged
                 continue
             for layer, value in enumerate(values):
                 out[f"{prefix}{name}/layer_{layer:0{width}d}"] = float(value)
@@ -98,9 +104,12 @@ def _clean(values):
     return None if values is None else [None if not math.isfinite(v) else float(v) for v in values]
 
 
-def _clean_law(law: LawFit | None):
+def _clean_law(law: LawFit | None, unreliable: str | None = None):
     if law is None:
         return None
     d = law.to_dict()
     d["r"] = None if not math.isfinite(d["r"]) else d["r"]
+    d["reliable"] = unreliable is None
+    if unreliable is not None:
+        d["unreliable_reason"] = unreliable
     return d

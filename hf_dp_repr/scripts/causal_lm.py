@@ -42,6 +42,7 @@ from hf_dp_repr.config import check_privacy_unit
 from hf_dp_repr.data import (DOCUMENT_ID, STDLIB_PARAGRAPHS, document_blocks, embedded_name, load_embedded,
                              unique_documents)
 from hf_dp_repr.model_card import ModelCardInfo
+from hf_dp_repr.model_files import explained_load_errors
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
@@ -258,7 +259,8 @@ def _load_model(name, tokenizer, block_size, seed):
         return ru.TINY_MODELS[name](vocab_size=vocab, seed=seed, **kw, **ids)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(name)
+    with explained_load_errors(name):  # a truncated weights file: name it and the fix
+        model = AutoModelForCausalLM.from_pretrained(name)
     if model.get_input_embeddings().num_embeddings < vocab:
         model.resize_token_embeddings(vocab)
     return model

@@ -40,6 +40,7 @@ from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import DIGITS, load_embedded
 from hf_dp_repr.image_data import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
 from hf_dp_repr.model_card import ModelCardInfo
+from hf_dp_repr.model_files import explained_load_errors
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
@@ -199,9 +200,10 @@ def _load_model(name, num_labels, id2label, train, image_col, seed):
         return ru.TINY_MODELS[name](num_labels=num_labels, seed=seed, num_channels=3, image_size=32)
     from transformers import AutoModelForImageClassification
 
-    return AutoModelForImageClassification.from_pretrained(
-        name, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
-        ignore_mismatched_sizes=True, dtype=torch.float32)  # DP-SGD in float32, whatever the stored weights
+    with explained_load_errors(name):  # a truncated weights file: name it and the fix
+        return AutoModelForImageClassification.from_pretrained(
+            name, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
+            ignore_mismatched_sizes=True, dtype=torch.float32)  # DP-SGD in float32, whatever the stored weights
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_path
 from hf_dp_repr.model_card import ModelCardInfo
+from hf_dp_repr.model_files import explained_load_errors
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
@@ -78,9 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
     num_labels, id2label = checks.class_names(train, label_col, margs.num_labels, others=[evals],
                                               model_id2label=checks.model_config_labels(path))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
-        ignore_mismatched_sizes=True, dtype="float32")  # DP-SGD in float32, whatever the stored weights
+    with explained_load_errors(path):  # a truncated weights file: name it and the fix
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=num_labels, id2label=id2label, label2id={v: k for k, v in id2label.items()},
+            ignore_mismatched_sizes=True, dtype="float32")  # DP-SGD in float32, whatever the stored weights
     if tokenizer.pad_token is None:  # GPT-2 style tokenizers have none: pad with EOS
         tokenizer.pad_token = tokenizer.eos_token
     if model.config.pad_token_id is None:  # needed to find the last non-padding token that GPT-2 classifies at
