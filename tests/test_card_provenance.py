@@ -8,7 +8,7 @@ import pytest
 from huggingface_hub import ModelCard
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification
-from utils import HubCapture, make_token_dataset
+from utils import make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
@@ -73,13 +73,12 @@ def test_lora_adapter_config_names_no_local_path(tmp_path):
     assert config["base_model_name_or_path"] == "my-base" and str(tmp_path) not in json.dumps(config)
 
 
-def test_push_dry_run_prints_the_card_and_files_and_sends_nothing(local_base_run, monkeypatch, capsys):
+def test_push_dry_run_prints_the_card_and_files_and_sends_nothing(local_base_run, hub, capsys):
     _, out, _ = local_base_run
-    hub = HubCapture(monkeypatch)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert cli_main(["push", str(out), "--hub_model_id", "me/dp-vit", "--dry-run"]) == 0
     printed = capsys.readouterr().out
     assert "(ε = " in printed and "ghost norms" in printed and "differential-privacy" in printed
     assert "would push README.md, config.json, model.safetensors, privacy_ledger.json to me/dp-vit" in printed
-    assert hub.whoami_calls == 0 and hub.repos == [] and hub.commits == []
+    assert hub.requests == [] and hub.repos == {}  # no login check, no repository, no commit
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -7,7 +7,6 @@ import pytest
 from accelerate.parallelism_config import ParallelismConfig
 from huggingface_hub import ModelCard
 from transformers import TrainerCallback, TrainingArguments
-from utils import HubCapture
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError
@@ -81,13 +80,12 @@ def trained(digits, tmp_path_factory):
     return trainer
 
 
-def test_push_to_hub_honours_hub_model_id_and_the_card_keywords(trained, monkeypatch):
-    hub = HubCapture(monkeypatch)
+def test_push_to_hub_honours_hub_model_id_and_the_card_keywords(trained, hub):
     trained.push_to_hub(hub_model_id="someone/dp-vit", license="mit", tags=["vision", "dp"], language="en",
                         model_name="tiny ViT on digits", finetuned_from="google/vit-base-patch16-224",
                         dataset="someone/digits")
-    assert hub.repos == [("someone/dp-vit", None)]  # not output_dir's name
-    card = ModelCard(hub.files["README.md"].decode())
+    assert list(hub.repos) == ["someone/dp-vit"]  # not output_dir's name
+    card = ModelCard(hub.repos["someone/dp-vit"].files["README.md"].decode())
     assert card.data.license == "mit" and card.data.language == ["en"]
     assert {"vision", "dp", "differential-privacy"} <= set(card.data.tags)
     assert card.data.base_model == "google/vit-base-patch16-224" and card.data.datasets == ["someone/digits"]
@@ -95,9 +93,8 @@ def test_push_to_hub_honours_hub_model_id_and_the_card_keywords(trained, monkeyp
 
 
 @pytest.mark.parametrize("kwargs", [{"tasks": "image-classification"}, {"dataset_args": "x"}, {"licence": "mit"}])
-def test_push_to_hub_refuses_keywords_the_dp_card_cannot_state_before_anything_is_sent(trained, kwargs, monkeypatch):
-    hub = HubCapture(monkeypatch)
+def test_push_to_hub_refuses_keywords_the_dp_card_cannot_state_before_anything_is_sent(trained, kwargs, hub):
     info = trained.model_card_info
     with pytest.raises(TypeError, match=f"got \\['{next(iter(kwargs))}'\\]"):
         trained.push_to_hub(**kwargs)
-    assert hub.repos == [] and hub.commits == [] and trained.model_card_info is info
+    assert hub.requests == [] and hub.repos == {} and trained.model_card_info is info
