@@ -9,7 +9,7 @@
 
     hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text)
 
-    hf-dp-repr audit --model out/ --members digits:train --non-members digits:test --out audit/
+    hf-dp-repr audit --model out/ --members private_split/ --non-members digits:test --out audit/
 
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
 `steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
@@ -69,10 +69,11 @@ def _add_privacy_parser(subparsers) -> None:
     noise = p.add_mutually_exclusive_group(required=True)
     noise.add_argument("--noise-multiplier", type=float, help="σ: noise std / clipping norm.")
     noise.add_argument("--target-epsilon", type=_target_epsilon, help="ε to reach: σ is calibrated.")
-    p.add_argument("--accountant", default="prv", help=f"one of {ACCOUNTANTS}: Opacus' prv (default) or rdp, or "
-                   "dp_accounting's pld ('gdp' is refused: it under-reports ε).")
-    p.add_argument("--neighboring", choices=NEIGHBORING_RELATIONS, default="add_remove",
-                   help="add_remove (default) or replace_one (needs --accountant pld).")
+    p.add_argument("--accountant", default="pld", help=f"one of {ACCOUNTANTS}: dp_accounting's pld (default, as "
+                   "DPTrainingArguments), or Opacus' prv or rdp ('gdp' is refused: it under-reports ε).")
+    p.add_argument("--neighboring", choices=NEIGHBORING_RELATIONS, default=None,
+                   help="replace_one or add_remove; default as DPTrainingArguments: replace_one with pld (n is "
+                        "published beside ε), add_remove with prv/rdp (they compute nothing else).")
     p.set_defaults(func=run_privacy)
 
 
@@ -85,6 +86,8 @@ def run_privacy(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-dp-repr privacy: {GDP_REFUSED}")
     if args.accountant not in ACCOUNTANTS:
         raise SystemExit(f"hf-dp-repr privacy: unknown --accountant {args.accountant!r}; use one of {ACCOUNTANTS}.")
+    if args.neighboring is None:  # the trainer's default (DPTrainingArguments.neighboring)
+        args.neighboring = "replace_one" if args.accountant == "pld" else "add_remove"
     if args.neighboring == "replace_one" and args.accountant != "pld":
         raise SystemExit("hf-dp-repr privacy: --neighboring replace_one needs --accountant pld.")
     result = {"sample_rate": args.sample_rate, "steps": args.steps, "delta": args.delta, "accountant": args.accountant,

@@ -53,10 +53,22 @@ def test_gdp_is_refused_and_replace_one_needs_pld(capsys):
               "--accountant", "gdp"])
     with pytest.raises(SystemExit, match="needs --accountant pld"):
         main(["privacy", "--sample-rate", "0.05", "--noise-multiplier", "0.9", "--steps", "3", "--delta", "1e-5",
-              "--neighboring", "replace_one"])
+              "--accountant", "prv", "--neighboring", "replace_one"])
     out = run_cli(capsys, "--sample-rate", "1.0", "--noise-multiplier", "4.0", "--steps", "10", "--delta", "1e-5",
                   "--accountant", "pld", "--neighboring", "replace_one")
     assert out["neighboring"] == "replace_one"
     assert out["epsilon"] == pytest.approx(run_cli(capsys, "--sample-rate", "1.0", "--noise-multiplier", "2.0",
                                                    "--steps", "10", "--delta", "1e-5", "--accountant", "pld")["epsilon"],
                                            rel=1e-6)
+
+
+def test_defaults_are_the_trainers(capsys):
+    """Planned from the shell as DPTrainer plans it: the same accountant and neighbouring relation by default."""
+    from hf_dp_repr import DPTrainingArguments
+
+    args = DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, target_delta=1e-5, report_to="none")
+    out = run_cli(capsys, "--sample-rate", "0.01", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5")
+    assert (out["accountant"], out["neighboring"]) == (args.accountant, args.neighboring) == ("pld", "replace_one")
+    rdp = run_cli(capsys, "--sample-rate", "0.01", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5",
+                  "--accountant", "rdp")
+    assert rdp["neighboring"] == "add_remove"
