@@ -58,7 +58,8 @@ def test_gdp_is_refused_and_replace_one_needs_pld(capsys):
                   "--accountant", "pld", "--neighboring", "replace_one")
     assert out["neighboring"] == "replace_one"
     assert out["epsilon"] == pytest.approx(run_cli(capsys, "--sample-rate", "1.0", "--noise-multiplier", "2.0",
-                                                   "--steps", "10", "--delta", "1e-5", "--accountant", "pld")["epsilon"],
+                                                   "--steps", "10", "--delta", "1e-5", "--accountant", "pld",
+                                                   "--neighboring", "add_remove")["epsilon"],
                                            rel=1e-6)
 
 
