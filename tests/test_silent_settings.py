@@ -85,7 +85,9 @@ def test_a_one_example_dataset_is_full_batch_dp_sgd_without_warnings(tmp_path):
         trainer.train()
     phase = trainer.ledger.phases[0]
     assert phase.sample_rate == 1.0 and trainer.ledger.steps_done == 3
-    exact = gaussian_epsilon(phase.noise_multiplier, 3, 1e-5)  # no amplification by sampling at q = 1
+    # No amplification by sampling at q = 1; replace-one (the default) moves the sum by up to 2C: σ/2 for add/remove.
+    assert trainer.ledger.plan.neighboring == "replace_one"
+    exact = gaussian_epsilon(phase.noise_multiplier / 2, 3, 1e-5)
     assert exact <= trainer.epsilon() <= 8.0 and trainer.epsilon() == pytest.approx(exact, rel=0.01)
 
 
@@ -96,6 +98,8 @@ def test_privacy_cli_accounts_for_a_full_batch(capsys):
         warnings.simplefilter("error", RuntimeWarning)
         assert main(["privacy", "--sample-rate", "1", "--noise-multiplier", "2", "--steps", "10", "--delta",
                      "1e-5"]) == 0
-    eps = json.loads(capsys.readouterr().out)["epsilon"]
-    exact = gaussian_epsilon(2.0, 10, 1e-5)
+    out = json.loads(capsys.readouterr().out)
+    eps = out["epsilon"]
+    assert out["neighboring"] == "replace_one"  # the default: sensitivity 2C, the add/remove ε at σ/2
+    exact = gaussian_epsilon(1.0, 10, 1e-5)
     assert exact <= eps <= 1.01 * exact

@@ -130,6 +130,7 @@ def train_with_dirac_canaries(model, args, train: Dataset, m: int, *, k: int, be
         >>> from hf_dp_repr.data import load_digits_dataset
         >>> from hf_dp_repr.tiny import tiny_vit
         >>> args = DPTrainingArguments(output_dir="/tmp/dirac-doc", noise_multiplier=0.0, target_delta=1e-3,
+        ...     neighboring="add_remove",  # a canary is a row added or left out
         ...     per_device_train_batch_size=16, max_steps=10, report_to="none", save_strategy="no",
         ...     logging_strategy="no", disable_tqdm=True, noise_seed=0)
         >>> train = load_digits_dataset()["train"].select(range(16))
