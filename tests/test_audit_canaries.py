@@ -116,7 +116,7 @@ def test_bound_goes_into_the_card_only_when_asked(tmp_path):
 
     from hf_dp_repr.audit.canaries import save_canary_audit
     from hf_dp_repr.hub import files_to_push
-    from hf_dp_repr.model_card import refresh_model_card
+    from hf_dp_repr.hub.card import refresh_model_card
     from hf_dp_repr.privacy.accounting import compute_epsilon
 
     led = dict(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat", dataset_size=347,

@@ -12,7 +12,7 @@ from utils import make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
-from hf_dp_repr.model_card import refresh_model_card, render_model_card
+from hf_dp_repr.hub.card import refresh_model_card, render_model_card
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")

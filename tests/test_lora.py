@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageClassification, 
 
 from utils import make_token_dataset
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.lora import apply_peft_config, check_peft_model
+from hf_dp_repr.scope.lora import apply_peft_config, check_peft_model
 from hf_dp_repr.privacy.ledger import LEDGER_FILE
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
 

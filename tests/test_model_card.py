@@ -9,7 +9,7 @@ from huggingface_hub import ModelCard
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import load_digits_dataset
 from hf_dp_repr.hub import push_dp_model
-from hf_dp_repr.model_card import format_epsilon, render_model_card, template_path, write_model_card
+from hf_dp_repr.hub.card import format_epsilon, render_model_card, template_path, write_model_card
 from hf_dp_repr.privacy.accounting import compute_epsilon
 from hf_dp_repr.tiny import tiny_vit
 
@@ -103,7 +103,7 @@ def _non_private_ledger():
 
 
 def test_card_of_a_non_private_reference_says_what_it_is():
-    from hf_dp_repr.model_card import NON_PRIVATE_TAGS
+    from hf_dp_repr.hub.card import NON_PRIVATE_TAGS
 
     card = render_model_card(_non_private_ledger(), model_card_info={"model_name": "tiny_vit fine-tuned on digits"})
     text = card.text
@@ -151,7 +151,10 @@ def test_template_is_the_one_in_model_cards():
     from pathlib import Path
 
     shipped = Path(template_path())
-    assert shipped.read_text() == (Path(__file__).resolve().parents[1] / "model_cards" / "dp_model_card.md").read_text()
+    root = Path(__file__).resolve().parents[1]
+    assert shipped.read_text() == (root / "model_cards" / "dp_model_card.md").read_text()
+    # one file: the package ships it through a symbolic link, not a second copy to keep in step
+    assert [p.name for p in (root / "hf_dp_repr").rglob("*.md") if not p.is_symlink()] == []
 
 
 # ---- a real run: the card at every save, and the push ----------------------------------------------------------
@@ -183,7 +186,7 @@ def test_every_save_writes_the_card_next_to_the_ledger(trained):
 def test_card_refreshed_from_the_folder_alone_keeps_what_the_caller_said(trained, tmp_path):
     import shutil
 
-    from hf_dp_repr.model_card import refresh_model_card
+    from hf_dp_repr.hub.card import refresh_model_card
 
     trainer, out = trained
     folder = tmp_path / "copy"

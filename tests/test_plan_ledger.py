@@ -8,7 +8,7 @@ import pytest
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments, PrivacyLedger, PrivacyPlan
 from hf_dp_repr.errors import DPConfigError
-from hf_dp_repr.plan import plan_run, resume_ledger
+from hf_dp_repr.training.plan import plan_run, resume_ledger
 from hf_dp_repr.privacy.ledger import Phase
 from hf_dp_repr.tiny import tiny_vit
 

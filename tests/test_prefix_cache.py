@@ -12,7 +12,7 @@ from transformers.utils import logging
 from utils import make_token_classification_dataset, make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.feature_store import _FOLDERS, _STORE, clear_feature_cache
+from hf_dp_repr.scope.feature_store import _FOLDERS, _STORE, clear_feature_cache
 from hf_dp_repr.privacy.probe import PROBE_FORWARDS
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_vit
 

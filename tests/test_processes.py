@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dp_repr.config_checks import check_one_run, join_cpu_processes, launched_processes
+from hf_dp_repr.training.argument_checks import check_one_run, join_cpu_processes, launched_processes
 from hf_dp_repr.errors import ProcessGroupError
 from utils import ACCEL_CONFIG, free_port
 

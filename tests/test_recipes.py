@@ -12,7 +12,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_dp_repr import DPTrainingArguments
-from hf_dp_repr.model_card import format_epsilon
+from hf_dp_repr.hub.card import format_epsilon
 from hf_dp_repr.scripts import causal_lm as lm_recipe
 from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.scripts import text_classification as text_recipe

@@ -11,7 +11,7 @@ from transformers.utils import logging
 
 from utils import make_token_classification_dataset, make_token_dataset
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.checkpoint import CheckpointMismatchError, load_checkpoint_weights
+from hf_dp_repr.training.checkpoint import CheckpointMismatchError, load_checkpoint_weights
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
 
 STOP = 2

@@ -10,7 +10,7 @@ from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.scope import ScopeError, phase_scopes
-from hf_dp_repr.scope_groups import select_groups
+from hf_dp_repr.scope.groups import select_groups
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
 
 # By hand, from the parameter names of each tiny model (not from the code under test): a regex per named group.

@@ -133,8 +133,8 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
     """
     from transformers import Trainer
 
-    from ..config import DPTrainingArguments
-    from ..trainer import DPTrainer
+    from ..training.arguments import DPTrainingArguments
+    from ..training.trainer import DPTrainer
     from .mia import classification_losses
 
     private = isinstance(args, DPTrainingArguments)
@@ -162,7 +162,7 @@ def save_canary_audit(result: dict, output_dir: str) -> str:
     import json
     import os
 
-    from ..model_card import CANARY_AUDIT_FILE, refresh_model_card
+    from ..hub.card import CANARY_AUDIT_FILE, refresh_model_card
 
     keys = ("canaries", "included", "k", "guesses", "correct", "delta", "confidence", "epsilon_lower_bound",
             "claimed_epsilon", "trainer")

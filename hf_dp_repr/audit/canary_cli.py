@@ -79,7 +79,7 @@ def training_arguments(flags: list[str], run_dir: str):
     """DPTrainingArguments from the flags after `--`, in the temporary `run_dir` (nothing of the run is kept)."""
     from transformers import HfArgumentParser
 
-    from ..config import DPTrainingArguments
+    from ..training.arguments import DPTrainingArguments
 
     flags = flags[1:] if flags[:1] == ["--"] else flags
     if not flags:

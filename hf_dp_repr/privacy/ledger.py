@@ -48,7 +48,7 @@ class Phase:
 @dataclass(frozen=True)
 class PrivacyPlan:
     """What a DP run will do, fixed before its first step (see the module docstring); compared field by field with
-    a checkpoint's plan on resume (`hf_dp_repr.plan.RESUME_INVARIANTS`).
+    a checkpoint's plan on resume (`hf_dp_repr.training.plan.RESUME_INVARIANTS`).
 
     `neighboring` is the relation ε is stated for; `randomness` says where the noise and the batches come from:
     "os-entropy" (a secret no one holds) or "seeded" (`noise_seed`: reproducible, and NOT private).

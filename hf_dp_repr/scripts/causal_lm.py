@@ -38,11 +38,11 @@ import os
 from dataclasses import dataclass, field
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.config import check_privacy_unit
+from hf_dp_repr.training.arguments import check_privacy_unit
 from hf_dp_repr.data import (DOCUMENT_ID, STDLIB_PARAGRAPHS, document_blocks, embedded_name, load_embedded,
                              unique_documents)
-from hf_dp_repr.model_card import ModelCardInfo
-from hf_dp_repr.model_files import explained_load_errors
+from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru

@@ -26,9 +26,9 @@ def check_before_work(model, train, training_args):
     and the privacy plan (`plan_run`: logical batch ≤ n, σ calibrated for the target ε) on the `train` (private) set.
 
     Returns the plan (a frozen `PrivacyPlan`). Writes nothing."""
-    from hf_dp_repr.plan import plan_run
+    from hf_dp_repr.training.plan import plan_run
     from hf_dp_repr.privacy.validation import check_model_is_privatizable
-    from hf_dp_repr.scope import phase_scopes
+    from hf_dp_repr.scope.blocks import phase_scopes
 
     args = training_args
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):

@@ -41,7 +41,7 @@ import secrets
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
 from transformers.utils import logging
 
-from ..plan import plan_run
+from ..training.plan import plan_run
 from .selection_privacy import TrialCount, rdp_curve, search_epsilon, single_run_epsilon
 from .tuning_data import check_search_data
 
@@ -100,7 +100,7 @@ class DPSearch:
     def space(self, trial) -> dict:
         """Called by the Trainer's `_hp_search_setup`: sets the trial's arguments itself (the Trainer would cast
         0.3 to int for an argument whose current value is 0) and returns nothing left to set."""
-        from ..config import _validate_dp_fields
+        from ..training.arguments import _validate_dp_fields
 
         params = dict(self.user_space(trial))
         bad = sorted(set(params) & set(FORBIDDEN_KEYS))
@@ -204,7 +204,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
     units = trainer._read_units(trainer.train_dataset, args)  # with a privacy_unit, the bound counts units
     n = len(trainer.train_dataset) if units is None else units
     if hp_space is None:
-        from ..scope import find_block_stack
+        from ..scope.blocks import find_block_stack
 
         depth = len(find_block_stack(trainer.call_model_init())[1])
         hp_space = lambda trial: default_dp_hp_space(trial, depth, n)  # noqa: E731
