@@ -17,9 +17,13 @@ from .errors import (AuditDataError, CheckpointMismatchError, DPConfigError, HfD
                      HubAccessError, ModelFileError, NotPrivatizableError, OutOfReachError, OutputDirError,
                      PrivacyBudgetExhaustedError, ProcessGroupError, ScopeError, TuningDataError)
 from .quiet import silence_known_noise  # noqa: E402
+from .training.search_backends import register_search_backend
 
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)
 _moved.install()  # old module paths import as the new modules, with a DeprecationWarning
+# DPTrainer.hyperparameter_search(backend="optuna"): tuning's search, imported at its first use (training imports
+# nothing of tuning)
+register_search_backend("optuna", "hf_dp_repr.tuning.search:run_search")
 
 _LAZY = {"DPTrainer": "training.trainer", "DPTrainingArguments": "training.arguments",
          "ModelCardInfo": "hub.card", "PrivacyLedger": "privacy.ledger", "PrivacyPlan": "privacy.ledger",

@@ -4,6 +4,8 @@
 saved under an old path) still works for one release: it warns `DeprecationWarning` naming the new path, and the
 old name is the new module itself (`sys.modules` holds one module object under both names; monkeypatching either
 patches both). The root package installs the finder (`install()`); nothing here is imported before it is needed.
+Names a module served for another (`from hf_dp_repr.privacy.accounting import PrivacyLedger`) go through that
+module's `__getattr__` and `moved_attribute`, with the same warning.
 
 Example:
     >>> import sys, warnings
@@ -49,6 +51,13 @@ MOVED = {
     "hf_dp_repr.eval_overlap": "hf_dp_repr.training.eval_overlap",
     "hf_dp_repr.data_checks": "hf_dp_repr.training.data_checks",
     "hf_dp_repr.tuning.seed000": "hf_dp_repr.scripts.seed000",
+    "hf_dp_repr.tuning.tuning_data": "hf_dp_repr.training.tuning_data",
+    "hf_dp_repr.privacy.budget_floor": "hf_dp_repr.privacy.accounting",
+}
+# Names a module served for another one (module, name) → the module that has them now; see `moved_attribute`.
+MOVED_NAMES = {
+    **{("hf_dp_repr.privacy.accounting", name): "hf_dp_repr.privacy.ledger"
+       for name in ("LEDGER_FILE", "Phase", "PrivacyLedger", "PrivacyPlan")},
 }
 REMOVED_IN = "0.3"
 
@@ -72,6 +81,18 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         # The import system set the old path's spec on the (already executed) module: give it its own back.
         module.__spec__ = module.__spec__.loader_state
+
+
+def moved_attribute(module: str, name: str):
+    """For a module's `__getattr__`: `name` from the module that has it now (`MOVED_NAMES`), with a
+    DeprecationWarning; AttributeError for any other name. Imports by name, at the first use only, so the old module
+    needs no import of the new one (which may import it)."""
+    new = MOVED_NAMES.get((module, name))
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(f"{module}.{name} moved to {new}.{name}; import it from there (the old place goes in "
+                  f"{REMOVED_IN})", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(new), name)
 
 
 _FINDER = _MovedModuleFinder()

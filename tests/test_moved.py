@@ -49,3 +49,13 @@ def test_an_object_pickled_under_an_old_path_loads():
 def test_unknown_paths_still_fail():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("hf_dp_repr.no_such_module")
+
+
+def test_names_served_for_another_module_warn_and_are_the_same_objects():
+    from hf_dp_repr.privacy import accounting, ledger
+
+    for name in ("LEDGER_FILE", "Phase", "PrivacyLedger", "PrivacyPlan"):
+        with pytest.warns(DeprecationWarning, match=f"accounting.{name} moved to hf_dp_repr.privacy.ledger.{name}"):
+            assert getattr(accounting, name) is getattr(ledger, name)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        accounting.nothing

@@ -14,24 +14,6 @@ RANKS = {
     "hf_dp_repr.scripts": 8, "hf_dp_repr.cli": 8,
     "hf_dp_repr": 9,  # the root facade: re-exports and registrations; nothing in the package imports it
 }
-# Violations left after the moves of issue 24, fixed by its next step; nothing new may appear meanwhile.
-ALLOWED_CYCLES = {
-    ("hf_dp_repr.scope.blocks", "hf_dp_repr.scope.groups"),
-    ("hf_dp_repr.privacy.accounting", "hf_dp_repr.privacy.budget_floor"),
-    ("hf_dp_repr.privacy.accounting", "hf_dp_repr.privacy.ledger"),
-    ("hf_dp_repr.audit.canary_cli", "hf_dp_repr.audit.cli"),
-}
-ALLOWED_ARROWS = {
-    "hf_dp_repr.scope.lora (2) -> hf_dp_repr.privacy (3)",
-    "hf_dp_repr.scope.lora (2) -> hf_dp_repr.privacy.attributes (3)",
-    "hf_dp_repr.training.search (5) -> hf_dp_repr.tuning (7)",
-    "hf_dp_repr.training.search (5) -> hf_dp_repr.tuning.search (7)",
-    "hf_dp_repr.training.search (5) -> hf_dp_repr.tuning.tuning_data (7)",
-    "hf_dp_repr.scripts.causal_lm (8) -> hf_dp_repr (9)",
-    "hf_dp_repr.scripts.image_classification (8) -> hf_dp_repr (9)",
-    "hf_dp_repr.scripts.seed004_continual (8) -> hf_dp_repr (9)",
-    "hf_dp_repr.scripts.text_classification (8) -> hf_dp_repr (9)",
-}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -95,7 +77,6 @@ def test_no_import_cycles():
     for node in sorted(g):
         if node not in done:
             visit(node)
-    cycles = [c for c in cycles if tuple(sorted(set(c))) not in ALLOWED_CYCLES]
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
@@ -107,7 +88,6 @@ def test_no_arrow_back_up_the_pipeline():
             rd, pd = rank(dst)
             if dst == "hf_dp_repr" or rd > rs or (rd == rs and pd != ps):  # the facade, a higher stage, a peer
                 bad.append(f"{src} ({rs}) -> {dst} ({rd})")
-    bad = [b for b in bad if b not in ALLOWED_ARROWS]
     assert not bad, "imports against the stage order:\n" + "\n".join(sorted(bad))
 
 

@@ -16,4 +16,4 @@ from .push import (check_hub_access, check_pushable, create_repo, explained_hub_
 __all__ = ["HubAccessError", "ModelCardInfo", "check_hub_access", "check_pushable", "create_repo",
            "explained_hub_errors", "files_to_push", "format_epsilon", "is_private_metric", "public_metrics",
            "push_dp_model", "push_run_folder", "refresh_model_card", "render_model_card", "save_public_metrics",
-           "template_path", "upload_run"]
+           "template_path", "upload_run", "write_model_card"]

@@ -104,7 +104,7 @@ def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | Non
         if not head_params:
             raise ScopeError(f"trainable_blocks=0 (linear probe): {type(model).__name__} has no head outside its "
                              "base model to train. Load the model with a task head (e.g. ...ForImageClassification).")
-        return Scope(_unique(head_params), f"linear probe: {head_text}", head_only=True,
+        return Scope(unique_parameters(head_params), f"linear probe: {head_text}", head_only=True,
                      head_modules=[n for n, _ in head])
     name, stack = find_block_stack(model, block_stack)
     depth = len(stack)
@@ -112,7 +112,7 @@ def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | Non
         raise ScopeError(f"trainable_blocks={trainable_blocks}, but {type(model).__name__} has {depth} blocks in "
                          f"{name}; use 0..{depth} (0 = linear probe), or None to train every parameter.")
     first = depth - trainable_blocks
-    after = _modules_after(model, name)
+    after = modules_after(model, name)
     params = [p for block in list(stack)[first:] for p in block.parameters()]
     params += [p for _, m in after for p in m.parameters()] + head_params
     blocks = f"{name}.{first}" if trainable_blocks == 1 else f"{name}.{first}-{depth - 1}"
@@ -120,29 +120,7 @@ def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | Non
     parts += [n for n, m in after if any(True for _ in m.parameters())]
     if head_params:
         parts.append(head_text)
-    return Scope(_unique(params), " + ".join(parts), head_modules=[n for n, _ in head])
-
-
-def phase_scopes(model: nn.Module, trainable_blocks: int | None, lp_steps: float,
-                 block_stack: str | None = None, trainable_groups=None) -> list[Scope]:
-    """The scope of each phase of a run: [] (train what requires grad), [scope], or [head, scope] when a
-    linear-probing phase (`lp_steps`) comes first. `trainable_groups` (blocks and named groups, see
-    `scope_groups`) replaces `trainable_blocks` when given."""
-    if trainable_groups is not None:
-        if trainable_blocks is not None:
-            raise ScopeError("trainable_blocks and trainable_groups are both set; give one (e.g. trainable_groups="
-                             "'last:2,norms,head' for the last 2 blocks plus every norm and the head).")
-        from .groups import select_groups
-
-        last = select_groups(model, trainable_groups, block_stack)
-        return [select_scope(model, 0), last] if lp_steps else [last]
-    if trainable_blocks is None and not lp_steps:
-        return []
-    if trainable_blocks is None:
-        last = Scope([p for p in model.parameters() if p.requires_grad], "all parameters")
-    else:
-        last = select_scope(model, trainable_blocks, block_stack)
-    return [select_scope(model, 0), last] if lp_steps else [last]
+    return Scope(unique_parameters(params), " + ".join(parts), head_modules=[n for n, _ in head])
 
 
 def block_stack_name(model: nn.Module, block_stack: str | None = None) -> str | None:
@@ -183,7 +161,7 @@ def _group_key(param_name: str, block_stack_name: str | None) -> str:
     return module
 
 
-def _modules_after(model: nn.Module, stack_name: str) -> list[tuple[str, nn.Module]]:
+def modules_after(model: nn.Module, stack_name: str) -> list[tuple[str, nn.Module]]:
     """Modules registered after the block stack at each level of its path inside the base model: in HF models
     registration follows the forward order, so these are the final norm and pooler."""
     base = getattr(model, "base_model", model)
@@ -204,7 +182,8 @@ def _module_lists(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)][:8]
 
 
-def _unique(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+def unique_parameters(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """`params` without repeats (a tied tensor listed by two modules), in first-seen order."""
     seen, out = set(), []
     for p in params:
         if id(p) not in seen:

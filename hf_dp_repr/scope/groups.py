@@ -32,6 +32,7 @@ import re
 from torch import nn
 
 from ..errors import ScopeError
+from .blocks import Scope, find_block_stack, head_modules, unique_parameters
 
 NAMED_GROUPS = ("head", "norms", "biases", "attention", "mlp")
 BLOCK_SELECTORS = ("<index>", "first:k", "last:k", "every_other", "every_other:odd")
@@ -98,8 +99,6 @@ def attention_module(block: nn.Module, where: str) -> nn.Module:
 
 def select_groups(model: nn.Module, spec, block_stack: str | None = None):
     """The `Scope` of `trainable_groups=spec`: the union of the selected blocks and named groups."""
-    from .blocks import Scope, ScopeError, _unique, find_block_stack, head_modules
-
     try:
         selectors = parse_groups(spec)
     except ValueError as err:
@@ -143,4 +142,4 @@ def select_groups(model: nn.Module, spec, block_stack: str | None = None):
             raise ScopeError(f"trainable_groups: the group {name!r} selects no parameters in {type(model).__name__} "
                              f"(e.g. a model without biases); valid groups: {', '.join(NAMED_GROUPS)}.")
         params += chosen
-    return Scope(_unique(params), " + ".join(parts), head_modules=[n for n, _ in head])
+    return Scope(unique_parameters(params), " + ".join(parts), head_modules=[n for n, _ in head])

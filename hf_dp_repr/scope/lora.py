@@ -42,13 +42,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import warnings
 from collections import Counter
 
 from torch import nn
 
-from ..privacy.attributes import clear_dp_attributes
 
 # LoraConfig fields whose non-default values are verified to give exact per-example gradients (and no data
 # access outside DP-SGD). Any other LoraConfig field set away from its default is refused: new PEFT options
@@ -191,26 +189,17 @@ def check_peft_model(model) -> None:
     _warn_frozen_head(model)
 
 
-def save_merged_model(model, output_dir: str | os.PathLike, safe_serialization: bool = True) -> nn.Module:
-    """Save `model` (a PeftModel) with its adapters merged into the base weights, as a plain HF model that
-    `AutoModel...from_pretrained(output_dir)` loads without peft. The merge happens on a copy (peak memory:
-    two models); the training model, its adapters and its base weights are left untouched. Returns the
-    merged copy. For a model without adapters, saves it as it is."""
-    os.makedirs(output_dir, exist_ok=True)
-    if not is_peft_model(model):
-        model.save_pretrained(output_dir, safe_serialization=safe_serialization)
-        return model
+def merged_copy(model) -> nn.Module:
+    """A copy of `model` (a PeftModel) with its adapters merged into the base weights: a plain HF model that saves
+    and loads without peft (peak memory: two models); the training model, its adapters and its base weights are left
+    untouched. Refused while a parameter holds per-example gradients. The copy may carry the DP bookkeeping the
+    trainer attached to the parameters: `DPTrainer.save_merged_model` clears it before saving."""
     params = list(model.parameters())
     stale = [getattr(p, "_dp_name", "?") for p in params if getattr(p, "grad_sample", None) is not None]
     if stale:
         raise RuntimeError(f"save_merged_model: parameters {stale[:3]} still hold per-example gradients; "
                            "save after the training step (DPTrainer detaches its hooks after train()).")
-    merged = copy.deepcopy(model).merge_and_unload(safe_merge=True)
-    clear_dp_attributes(merged.parameters())  # bookkeeping the trainer attached to the live parameters
-    for p in merged.parameters():
-        p.requires_grad_(True)
-    merged.save_pretrained(output_dir, safe_serialization=safe_serialization)
-    return merged
+    return copy.deepcopy(model).merge_and_unload(safe_merge=True)
 
 
 def candidate_target_modules(model: nn.Module) -> str:

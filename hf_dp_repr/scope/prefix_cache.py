@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 
 from .feature_store import (CacheEntry, NotCacheable, data_reason_not_to_cache, dataset_key, lookup, store,
                             weights_digest)
-from .blocks import _modules_after, find_block_stack
+from .blocks import find_block_stack, modules_after
 
 STATES_KEY = "_dp_prefix_states"  # the batch key of the cached states; popped before the model sees the batch
 
@@ -115,7 +115,7 @@ def _prefix_parameters(model: nn.Module, stack_name: str, first: int) -> list[tu
     and the head: the frozen prefix."""
     stack = model.get_submodule(stack_name)
     top = [f"{stack_name}.{i}." for i in range(first, len(stack))]
-    top += [f"{n}." for n, _ in _modules_after(model, stack_name)]
+    top += [f"{n}." for n, _ in modules_after(model, stack_name)]
     base = getattr(model, "base_model", model)
     top += [f"{n}." for n, child in model.named_children() if child is not base]
     return [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(tuple(top))]

@@ -37,7 +37,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.training.arguments import DPTrainingArguments
+from hf_dp_repr.training.trainer import DPTrainer
 from hf_dp_repr.training.arguments import check_privacy_unit
 from hf_dp_repr.data import (DOCUMENT_ID, STDLIB_PARAGRAPHS, document_blocks, embedded_name, load_embedded,
                              unique_documents)

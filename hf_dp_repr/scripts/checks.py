@@ -28,7 +28,7 @@ def check_before_work(model, train, training_args):
     Returns the plan (a frozen `PrivacyPlan`). Writes nothing."""
     from hf_dp_repr.training.plan import plan_run
     from hf_dp_repr.privacy.validation import check_model_is_privatizable
-    from hf_dp_repr.scope.blocks import phase_scopes
+    from hf_dp_repr.scope.phases import phase_scopes
 
     args = training_args
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.training.arguments import DPTrainingArguments
+from hf_dp_repr.training.trainer import DPTrainer
 from hf_dp_repr.data import DIGITS, load_embedded
 from hf_dp_repr.data.images import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
 from hf_dp_repr.hub.card import ModelCardInfo

@@ -37,7 +37,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.training.arguments import DPTrainingArguments
+from hf_dp_repr.training.trainer import DPTrainer
 from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_path
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.data.model_files import explained_load_errors

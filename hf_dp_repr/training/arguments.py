@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 from .argument_checks import (check_one_run, check_privacy_unit, check_report_to, join_cpu_processes,
                             target_epsilon_problem, validate_cache_fields, validate_lp_fields)
 from ..errors import DPConfigError
+from ..scope.groups import parse_groups
 from ..scope.head_init import HEAD_INITS, check_head_init
 from ..privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from ..privacy.optimizer import CLIPPING_MODES
@@ -220,7 +221,7 @@ class DPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        _validate_dp_fields(self)
+        validate_dp_fields(self)
         join_cpu_processes()  # before the Trainer's arguments set up accelerate: several processes are one run
         super().__post_init__()
         check_one_run(self.world_size)
@@ -228,7 +229,7 @@ class DPTrainingArguments(TrainingArguments):
         _validate_activation_checkpointing(self)  # after the Trainer resolves gradient_checkpointing* aliases
 
 
-def _validate_dp_fields(args: DPTrainingArguments) -> None:
+def validate_dp_fields(args: DPTrainingArguments) -> None:
     """Check the DP fields; each error names the argument and what to do instead."""
     eps, sigma = args.target_epsilon, args.noise_multiplier
     if eps is not None and sigma is not None:
@@ -279,8 +280,6 @@ def _validate_dp_fields(args: DPTrainingArguments) -> None:
         raise DPConfigError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
     if args.trainable_groups is not None:
-        from ..scope.groups import parse_groups
-
         if args.trainable_blocks is not None:
             raise ValueError("DPTrainingArguments: trainable_blocks and trainable_groups are both set; give one (e.g. "
                              "trainable_groups='last:2,norms,head' for the last 2 blocks, every norm and the head).")

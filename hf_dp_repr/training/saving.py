@@ -215,12 +215,22 @@ class DPSavingMixin:
 
     def save_merged_model(self, output_dir: str | None = None) -> None:
         """For a LoRA (PEFT) model: save the base weights with the adapters merged in, as a plain HF model
-        (`save_model` saves the adapters alone), plus the privacy ledger and model card."""
-        from ..scope.lora import save_merged_model
+        (`save_model` saves the adapters alone), plus the privacy ledger and model card. The merge happens on a
+        copy (`lora.merged_copy`), cleared of the DP bookkeeping on its parameters; a model without adapters is saved
+        as it is."""
+        from ..privacy.attributes import clear_dp_attributes
+        from ..scope.lora import is_peft_model, merged_copy
 
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
-            save_merged_model(self.model, output_dir)
+            os.makedirs(output_dir, exist_ok=True)
+            model = self.model
+            if is_peft_model(model):
+                model = merged_copy(model)
+                clear_dp_attributes(model.parameters())  # bookkeeping the trainer attached to the live parameters
+                for p in model.parameters():
+                    p.requires_grad_(True)
+            model.save_pretrained(output_dir, safe_serialization=True)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
         self._save_privacy_record(output_dir)

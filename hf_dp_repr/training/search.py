@@ -1,13 +1,16 @@
-"""`DPTrainer.hyperparameter_search`: the Trainer's Optuna search under DP (a mixin placed before `Trainer`; the
-search itself is `hf_dp_repr.tuning.search`)."""
+"""`DPTrainer.hyperparameter_search`: the Trainer's search under DP (a mixin placed before `Trainer`), run by a
+registered backend (`search_backends`; "optuna" is `hf_dp_repr.tuning.search`), and what the trainer does around
+a search: each trial's model and scope, the data it tuned on, the best trial's record."""
 
 from __future__ import annotations
 
 import copy
 
-from ..scope.head_init import init_head
 from ..privacy.validation import check_model_is_privatizable
-from ..scope.blocks import phase_scopes
+from ..scope.head_init import init_head
+from ..scope.phases import phase_scopes
+from .search_backends import search_backend
+from .tuning_data import check_training_data
 
 
 class DPSearchMixin:
@@ -21,11 +24,7 @@ class DPSearchMixin:
         `eval_dataset`, stated with `eval_data_public=True`). `hp_space` returns DPTrainingArguments fields and
         optionally `trainable_scope` ("all", "blocks:k" or a trainable_groups spec). See `hf_dp_repr.tuning.search`.
         """
-        if str(getattr(backend, "value", backend)) != "optuna":
-            raise ValueError(f"DPTrainer.hyperparameter_search: backend={backend!r}; only 'optuna' is supported under "
-                             "DP (each trial's privacy plan is set up through it).")
-        from ..tuning.search import run_search
-
+        run_search = search_backend(str(getattr(backend, "value", backend)))
         return run_search(self, hp_space, compute_objective, n_trials, direction, hp_name, tuning_data, trial_count,
                           eval_data_public, keep_best_model, **kwargs)
 
@@ -42,11 +41,9 @@ class DPSearchMixin:
 
     def _check_training_data(self) -> None:
         """First thing a `train()` outside a search does: refuse the data this trainer's search tuned on (see
-        `hf_dp_repr.tuning.tuning_data`); a new run is not the model a private search selected."""
-        if getattr(self, "_dp_search", None) is not None:  # a trial of the search
+        `tuning_data`); a new run is not the model a private search selected."""
+        if self.hp_search_backend is not None:  # a trial of the search
             return
-        from ..tuning.tuning_data import check_training_data
-
         check_training_data(self)
         self._search_record = None
 

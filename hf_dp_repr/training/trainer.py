@@ -56,7 +56,7 @@ from ..privacy.sampler import (UNIT_KEY, ExampleBatchCollator, PoissonBatchSampl
 from ..privacy.units import ROW, UnitPoissonBatchSampler, UnitRowsDataset, column_values, unit_rows
 from ..privacy.validation import check_model_is_privatizable, check_train_dataset
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
-from ..scope.blocks import phase_scopes
+from ..scope.phases import phase_scopes
 from .clipping import DPClippingMixin
 from .features import DPFeatureCacheMixin
 from .argument_fields import check_refused_fields, train_dataloader_options
@@ -114,6 +114,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             self._scopes[-1].apply(model)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.model_card_info = ModelCardInfo.from_value(model_card_info)  # written by model_card.write_model_card
+        self.run_hooks: list = []  # called as hook(self, "complete" | "failed") when a train() ends (e.g. a search's)
         self._follow_log_level()
         self._check_eval_overlap()
         self.ledger: PrivacyLedger | None = None
@@ -331,7 +332,7 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
 
     # ---- run, log, save -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        self._check_training_data()  # not the data a search of this trainer tuned on (trainer_search)
+        self._check_training_data()  # not the data a search of this trainer tuned on (search.py)
         self._resume_ledger = None
         self._plan = None
         check_one_run(self.args.world_size)
@@ -363,8 +364,8 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             state = "complete"
         finally:
             self._detach_hooks()
-            if getattr(self, "_dp_search", None) is not None:
-                self._dp_search.record_run(self, state)
+            for hook in self.run_hooks:
+                hook(self, state)
         output.metrics["epsilon"] = self.epsilon()
         if self.continual_record is not None:
             finish_record(self)

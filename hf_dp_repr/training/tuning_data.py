@@ -12,7 +12,7 @@ protects, so the search is charged to no budget. That is checked, by dataset fin
 
 Both errors are `TuningDataError`, raised before any work. Example:
     >>> from datasets import Dataset
-    >>> from hf_dp_repr.tuning.tuning_data import fingerprint
+    >>> from hf_dp_repr.training.tuning_data import fingerprint
     >>> rows = Dataset.from_dict({"x": [1, 2, 3]})
     >>> fingerprint(rows) == fingerprint(rows) != fingerprint(rows.select([0, 1]))
     True
