@@ -1,4 +1,5 @@
-"""hf-dp-repr: differentially private fine-tuning of Hugging Face models, and what DP noise does to their representations.
+"""hf-dp-repr: differentially private fine-tuning of Hugging Face models, and what DP noise does to their
+representations.
 
 The package follows the pipeline, one folder per stage, each importing only the stages before it: `data` → `scope`
 → `privacy` → `hub` → `training` → `analysis` → `audit`, `tuning` → `scripts` (and `cli`). The classes and
@@ -13,10 +14,22 @@ __version__ = "0.1.0"
 import importlib
 
 from . import _moved
-from .errors import (AuditDataError, CheckpointMismatchError, DPConfigError, HfDpReprError,  # noqa: E402
-                     HubAccessError, ModelFileError, NotPrivatizableError, OutOfReachError, OutputDirError,
-                     PrivacyBudgetExhaustedError, ProcessGroupError, ScopeError, TuningDataError)
-from .quiet import silence_known_noise  # noqa: E402
+from .errors import (
+    AuditDataError,
+    CheckpointMismatchError,
+    DPConfigError,
+    HfDpReprError,
+    HubAccessError,
+    ModelFileError,
+    NotPrivatizableError,
+    OutOfReachError,
+    OutputDirError,
+    PrivacyBudgetExhaustedError,
+    ProcessGroupError,
+    ScopeError,
+    TuningDataError,
+)
+from .quiet import silence_known_noise
 from .training.search_backends import register_search_backend
 
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)

@@ -14,8 +14,10 @@ Example:
     ...     warnings.simplefilter("always")
     ...     import hf_dp_repr.model_card as old
     >>> import hf_dp_repr.hub.card as new
-    >>> old is new, seen[0].category.__name__, str(seen[0].message)
-    (True, 'DeprecationWarning', 'hf_dp_repr.model_card moved to hf_dp_repr.hub.card; import it from there (the old path goes in 0.3)')
+    >>> old is new, seen[0].category.__name__
+    (True, 'DeprecationWarning')
+    >>> print(seen[0].message)
+    hf_dp_repr.model_card moved to hf_dp_repr.hub.card; import it from there (the old path goes in 0.3)
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ import json
 import math
 import sys
 
-from .training.argument_checks import target_epsilon_problem
 from .entry_point import prepare_entry_point
+from .training.argument_checks import target_epsilon_problem
 
 
 def _target_epsilon(text: str) -> float:

@@ -18,9 +18,9 @@ def main(argv=None):
 
     from hf_dp_repr import DPTrainingArguments
     from hf_dp_repr.data import load_digits_dataset
+    from hf_dp_repr.scripts.seed000 import pretrain_public, split_off
     from hf_dp_repr.tiny import tiny_vit
     from hf_dp_repr.tuning.budget_split import sweep_budget_split, write_budget_split
-    from hf_dp_repr.scripts.seed000 import pretrain_public, split_off
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="split_out")

@@ -8,9 +8,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.tiny import tiny_vit
 from hf_dp_repr.training.continual import RECORD_FILE, load_record
 from hf_dp_repr.training.curvature import HessianTraceCallback, hutchinson_trace, model_trace, public_batch
-from hf_dp_repr.tiny import tiny_vit
 
 
 def hutchinson_tolerance(hessian: torch.Tensor, probes: int, k: float = 5.0) -> float:

@@ -8,8 +8,7 @@ import os
 import optuna
 import pytest
 import torch
-from transformers import (GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification, TrainerCallback,
-                          ViTModel)
+from transformers import GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification, TrainerCallback, ViTModel
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError

@@ -1,4 +1,5 @@
-"""The DP model card states the run's facts, and the Hub push sends exactly the DP run's files (captured, no network)."""
+"""The DP model card states the run's facts, and the Hub push sends exactly the DP run's files (captured, no
+network)."""
 
 import json
 import math
@@ -47,12 +48,14 @@ def test_card_states_the_guarantee_data_scope_versions_and_laws(tmp_path):
     assert f"**{eps}**" in text and f"(ε = {eps}, δ = 1e-05)-differentially private" in text
     for fact in ("| δ | 1e-05 |", "| target ε | 4 |", "pld (dp_accounting)", "| noise multiplier σ | 1.25 |",
                  "| per-example clipping norm C | 0.5 (per_layer clipping) |",
-                 "Poisson batches, sample rate q = 0.05 (expected logical batch 64)", "| steps taken / planned | 200 / 200 |",
+                 "Poisson batches, sample rate q = 0.05 (expected logical batch 64)",
+                 "| steps taken / planned | 200 / 200 |",
                  "| epochs, as the Trainer counts them | 10 |", "| expected passes over the data (Σ q × steps) | 10 |",
                  "| private training examples (n) | 1280 |", "| processes | 2 |",
                  "PRIVATE-SET-XYZ", "PUBLIC-SET-ABC", "last 2 of 4 blocks + head (classifier)",
                  "google/vit-base-patch16-224-in21k", "| eval_accuracy | 0.9123 |",
-                 "| separation fuzziness D_l | 0.4321 | -0.987 | 0..4 |", "| prediction residual PR_l | 0.8765 | -0.95 | 1..4 |"):
+                 "| separation fuzziness D_l | 0.4321 | -0.987 | 0..4 |",
+                 "| prediction residual PR_l | 0.8765 | -0.95 | 1..4 |"):
         assert fact in text, fact
     import opacus
     import torch
@@ -87,7 +90,8 @@ def test_card_of_a_legacy_scalar_ledger(tmp_path):
 
 def test_non_private_and_non_poisson_runs_are_flagged():
     led = _ledger(history=[[0.0, 0.05, 200]],
-                  phases=[dict(name="train", noise_multiplier=0.0, sample_rate=0.05, steps=200, expected_batch_size=64)])
+                  phases=[dict(name="train", noise_multiplier=0.0, sample_rate=0.05, steps=200,
+                               expected_batch_size=64)])
     assert math.isinf(led["epsilon"])
     text = render_model_card(led).text
     assert "NOT differentially private (ε = ∞)" in text and "-differentially private." not in text

@@ -60,7 +60,8 @@ def test_grad_samplers_are_registered_by_importing_the_package_and_twice_is_harm
     code = (
         "import hf_dp_repr\n"
         "from opacus.grad_sample import GradSampleModule\n"
-        "from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping as F\n"
+        "from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import "
+        "GradSampleModuleFastGradientClipping as F\n"
         "from transformers.pytorch_utils import Conv1D\n"
         "from hf_dp_repr.privacy.grad_samplers import HF_GRAD_SAMPLERS, conv1d_grad_sample, register_grad_samplers\n"
         "assert GradSampleModule.GRAD_SAMPLERS[Conv1D] is conv1d_grad_sample is F.GRAD_SAMPLERS[Conv1D]\n"

@@ -100,7 +100,6 @@ def score_guesses(guesses: np.ndarray, included: np.ndarray) -> tuple[int, int]:
 def one_run_audit(losses: np.ndarray, included: np.ndarray, k: int, delta: float, beta: float = 0.05) -> dict:
     """Guess on the canaries from their losses and bound ε: {m, k, guesses, correct, epsilon_lower_bound, ...}."""
     from .bounds import one_run_epsilon_lower_bound
-
     from .mia import roc_metrics
 
     losses, included = np.asarray(losses), np.asarray(included, bool)

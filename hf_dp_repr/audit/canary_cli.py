@@ -103,8 +103,8 @@ def training_arguments(flags: list[str], run_dir: str):
 
 def _inputs(args: argparse.Namespace, num_labels: int):
     """(training set, image canaries or None), checked."""
-    from .inputs import check_labels, fingerprints, load_audit_dataset
     from .canaries import make_canaries
+    from .inputs import check_labels, fingerprints, load_audit_dataset
 
     train = load_audit_dataset(args.train, "--train")
     check_labels(train, "--train", num_labels)

@@ -38,7 +38,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-
 from ..privacy.ledger import LEDGER_FILE
 from .inputs import check_labels, fail, fingerprints, load_audit_dataset
 from .mia import calibrated_scores, classification_losses, plot_roc, roc_metrics

@@ -7,11 +7,33 @@ broken model file (`model_files`). Nothing here knows about privacy or training;
 the package was arranged by pipeline stage.
 """
 
-from .embedded import (DIGITS, DIGITS_OFFSET, DIGITS_PIXEL_MAX, DIGITS_SCALE, DOCUMENT_ID, EMBEDDED_ALIASES,
-                       EMBEDDED_DATASETS, MINILM, STDLIB_BLOCKS, STDLIB_MODULES, STDLIB_PARAGRAPHS, STDLIB_TOPICS,
-                       byte_tokenize, document_blocks, embedded_name, load_digits_dataset, load_embedded,
-                       load_stdlib_blocks, load_stdlib_paragraphs, load_stdlib_topics, resolve_model_path,
-                       stdlib_docstrings, stdlib_text, unique_documents, unique_paragraphs)
+from .embedded import (
+                       DIGITS,
+                       DIGITS_OFFSET,
+                       DIGITS_PIXEL_MAX,
+                       DIGITS_SCALE,
+                       DOCUMENT_ID,
+                       EMBEDDED_ALIASES,
+                       EMBEDDED_DATASETS,
+                       MINILM,
+                       STDLIB_BLOCKS,
+                       STDLIB_MODULES,
+                       STDLIB_PARAGRAPHS,
+                       STDLIB_TOPICS,
+                       byte_tokenize,
+                       document_blocks,
+                       embedded_name,
+                       load_digits_dataset,
+                       load_embedded,
+                       load_stdlib_blocks,
+                       load_stdlib_paragraphs,
+                       load_stdlib_topics,
+                       resolve_model_path,
+                       stdlib_docstrings,
+                       stdlib_text,
+                       unique_documents,
+                       unique_paragraphs,
+)
 
 __all__ = ["DIGITS", "DIGITS_OFFSET", "DIGITS_PIXEL_MAX", "DIGITS_SCALE", "DOCUMENT_ID", "EMBEDDED_ALIASES",
            "EMBEDDED_DATASETS", "MINILM", "STDLIB_BLOCKS", "STDLIB_MODULES", "STDLIB_PARAGRAPHS", "STDLIB_TOPICS",

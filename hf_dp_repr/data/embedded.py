@@ -31,9 +31,17 @@ import logging
 import numpy as np
 from datasets import Dataset, DatasetDict
 
-from .stdlib_corpus import (STDLIB_MODULES, byte_tokenize, load_stdlib_blocks,  # noqa: F401  (served from here)
-                            load_stdlib_paragraphs, load_stdlib_topics, stdlib_docstrings, stdlib_text,
-                            unique_documents, unique_paragraphs)
+from .stdlib_corpus import (  # noqa: F401  (served from here)
+    STDLIB_MODULES,
+    byte_tokenize,
+    load_stdlib_blocks,
+    load_stdlib_paragraphs,
+    load_stdlib_topics,
+    stdlib_docstrings,
+    stdlib_text,
+    unique_documents,
+    unique_paragraphs,
+)
 
 logger = logging.getLogger(__name__)
 

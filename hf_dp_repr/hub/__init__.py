@@ -10,8 +10,19 @@ needs only privacy (the ledger, the accountant, the unit) and nothing above it.
 
 from ..errors import HubAccessError
 from .card import ModelCardInfo, format_epsilon, refresh_model_card, render_model_card, template_path, write_model_card
-from .push import (check_hub_access, check_pushable, create_repo, explained_hub_errors, files_to_push,
-                   is_private_metric, public_metrics, push_dp_model, push_run_folder, save_public_metrics, upload_run)
+from .push import (
+                   check_hub_access,
+                   check_pushable,
+                   create_repo,
+                   explained_hub_errors,
+                   files_to_push,
+                   is_private_metric,
+                   public_metrics,
+                   push_dp_model,
+                   push_run_folder,
+                   save_public_metrics,
+                   upload_run,
+)
 
 __all__ = ["HubAccessError", "ModelCardInfo", "check_hub_access", "check_pushable", "create_repo",
            "explained_hub_errors", "files_to_push", "format_epsilon", "is_private_metric", "public_metrics",

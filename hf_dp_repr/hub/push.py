@@ -42,8 +42,8 @@ import os
 from pathlib import Path
 
 from ..errors import HubAccessError  # noqa: F401  (defined in errors.py, importable from here as before)
-from .card import CARD_FILE, SEARCH_FILE, write_model_card
 from ..privacy.ledger import LEDGER_FILE
+from .card import CARD_FILE, SEARCH_FILE, write_model_card
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",

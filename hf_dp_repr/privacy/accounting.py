@@ -189,8 +189,8 @@ def too_low_message(target_epsilon: float, delta: float, sample_rate: float, ste
     sigma = calibrate_noise_multiplier(reachable, delta, sample_rate, steps, accountant, neighboring)
     lines = [
         f"target_epsilon={target_epsilon:g} (δ={delta:g}) is below what the '{accountant}' accountant can certify "
-        f"for {steps} steps at sample rate q={sample_rate:.4g}: even with σ → ∞ (pure noise) it reports ε = {floor:.4g}, "
-        "its resolution limit; fewer steps or a smaller q lower the σ needed, not this floor.",
+        f"for {steps} steps at sample rate q={sample_rate:.4g}: even with σ → ∞ (pure noise) it reports "
+        f"ε = {floor:.4g}, its resolution limit; fewer steps or a smaller q lower the σ needed, not this floor.",
         f"Reachable: target_epsilon={reachable:g} takes σ = {sigma:.4g}.",
     ]
     for other in ACCOUNTANTS if neighboring == "add_remove" else ():  # replace-one: only 'pld' computes it

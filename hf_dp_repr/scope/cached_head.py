@@ -23,8 +23,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from .feature_store import (NotCacheable, data_reason_not_to_cache, dataset_key, evict_until, lookup, store,
-                            weights_digest)
+from .feature_store import (
+    NotCacheable,
+    data_reason_not_to_cache,
+    dataset_key,
+    evict_until,
+    lookup,
+    store,
+    weights_digest,
+)
 
 HEAD_INPUTS_KEY = "_dp_head_inputs"  # the evaluation batches' key of the cached head inputs
 

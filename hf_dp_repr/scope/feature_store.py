@@ -27,14 +27,13 @@ import os
 import shutil
 import socket
 import tempfile
-from pathlib import Path
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import numpy as np
 import torch
-
 
 logger = logging.getLogger(__name__)
 CACHE_PREFIX = "hf-dp-repr-features-"  # + <host>-<pid>-<random>: see the module's docstring

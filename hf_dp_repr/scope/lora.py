@@ -47,7 +47,6 @@ from collections import Counter
 
 from torch import nn
 
-
 # LoraConfig fields whose non-default values are verified to give exact per-example gradients (and no data
 # access outside DP-SGD). Any other LoraConfig field set away from its default is refused: new PEFT options
 # are LoRA variants or data-dependent initialisations until a brute-force test says otherwise.

@@ -50,9 +50,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from .feature_store import (CacheEntry, NotCacheable, data_reason_not_to_cache, dataset_key, lookup, store,
-                            weights_digest)
 from .blocks import find_block_stack, modules_after
+from .feature_store import (
+    CacheEntry,
+    NotCacheable,
+    data_reason_not_to_cache,
+    dataset_key,
+    lookup,
+    store,
+    weights_digest,
+)
 
 STATES_KEY = "_dp_prefix_states"  # the batch key of the cached states; popped before the model sees the batch
 

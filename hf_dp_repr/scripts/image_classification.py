@@ -36,17 +36,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dp_repr.training.arguments import DPTrainingArguments
-from hf_dp_repr.training.trainer import DPTrainer
 from hf_dp_repr.data import DIGITS, load_embedded
 from hf_dp_repr.data.images import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
-from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
-from hf_dp_repr.scripts.arguments import (AnalysisArguments, ClassificationArguments,
-                                        PublicPretrainingArguments)
+from hf_dp_repr.scripts.arguments import AnalysisArguments, ClassificationArguments, PublicPretrainingArguments
+from hf_dp_repr.training.arguments import DPTrainingArguments
+from hf_dp_repr.training.trainer import DPTrainer
 
 logger = logging.getLogger("hf_dp_repr.recipes.image")
 

@@ -56,9 +56,9 @@ def run_seed000(output_dir: str, epsilons=(1.0, 8.0), ks=None, n_trials: int = 4
     from transformers import ViTForImageClassification
 
     from ..analysis import analyze_representations
-    from ..training.arguments import DPTrainingArguments
     from ..data import load_digits_dataset
     from ..tiny import tiny_vit
+    from ..training.arguments import DPTrainingArguments
     from ..training.trainer import DPTrainer
     from ..tuning.budget_split import accuracy
 

@@ -20,10 +20,9 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dp_repr import tiny
 from hf_dp_repr.entry_point import one_thread_for_tiny_model
-from hf_dp_repr.training.output_dir import check_writable
 from hf_dp_repr.scripts import report as recipe_report
-from hf_dp_repr.scripts.arguments import (  # noqa: F401  (the parser's old home)
-    expand_argv, given_options, parse_args, yaml_to_argv)
+from hf_dp_repr.scripts.arguments import expand_argv, given_options, parse_args, yaml_to_argv  # noqa: F401  (the parser's old home)
+from hf_dp_repr.training.output_dir import check_writable
 
 logger = logging.getLogger("hf_dp_repr.recipes")
 HERE = Path(__file__).resolve().parent
@@ -204,8 +203,8 @@ def resume_point(training_args, overwrite: bool) -> str | None:
     """The checkpoint a recipe resumes from, decided before any work as Hugging Face's example scripts do:
     --resume_from_checkpoint if given; else, in an --output_dir that holds checkpoints, the last complete one, unless
     --overwrite_output_dir; refused if none is complete."""
-    from hf_dp_repr.training.output_dir import checkpoints, last_complete_checkpoint
     from hf_dp_repr.scripts.checks import RecipeArgumentError
+    from hf_dp_repr.training.output_dir import checkpoints, last_complete_checkpoint
 
     out = training_args.output_dir
     if training_args.resume_from_checkpoint or overwrite or not checkpoints(out):

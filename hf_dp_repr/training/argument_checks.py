@@ -65,13 +65,15 @@ def check_privacy_unit(args) -> None:
 
 def validate_lp_fields(args) -> None:
     if args.lp_steps < 0:
-        raise DPConfigError(f"DPTrainingArguments: lp_steps={args.lp_steps} must be >= 0 (0 = no linear-probing phase).")
+        raise DPConfigError(f"DPTrainingArguments: lp_steps={args.lp_steps} must be >= 0 (0 = no linear-probing "
+                            "phase).")
     if not args.lp_steps:
         extra = [n for n in ("lp_epsilon_fraction", "lp_per_device_train_batch_size", "lp_learning_rate")
                  if getattr(args, n) is not None]
         if extra:
-            raise DPConfigError(f"DPTrainingArguments: {', '.join(extra)} set but lp_steps=0: there is no linear-probing "
-                             "phase. Set lp_steps (e.g. 0.2 for the first 20 % of the steps) or drop them.")
+            raise DPConfigError(f"DPTrainingArguments: {', '.join(extra)} set but lp_steps=0: there is no "
+                                "linear-probing phase. Set lp_steps (e.g. 0.2 for the first 20 % of the steps) or drop "
+                                "them.")
         return
     if args.trainable_blocks == 0:
         raise DPConfigError("DPTrainingArguments: lp_steps with trainable_blocks=0 would linear-probe twice. Set "

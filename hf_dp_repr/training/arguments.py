@@ -17,13 +17,20 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .argument_checks import (check_one_run, check_privacy_unit, check_report_to, join_cpu_processes,
-                            target_epsilon_problem, validate_cache_fields, validate_lp_fields)
 from ..errors import DPConfigError
-from ..scope.groups import parse_groups
-from ..scope.head_init import HEAD_INITS, check_head_init
 from ..privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
 from ..privacy.optimizer import CLIPPING_MODES
+from ..scope.groups import parse_groups
+from ..scope.head_init import HEAD_INITS, check_head_init
+from .argument_checks import (
+    check_one_run,
+    check_privacy_unit,
+    check_report_to,
+    join_cpu_processes,
+    target_epsilon_problem,
+    validate_cache_fields,
+    validate_lp_fields,
+)
 from .argument_fields import check_refused_fields
 
 CLIPPING_ENGINES = ("auto", "ghost", "hooks")
@@ -86,8 +93,9 @@ class DPTrainingArguments(TrainingArguments):
     clipping: str = field(
         default="flat",
         metadata={"help": "'flat' (one norm over all parameters), 'per_layer' (each parameter tensor clipped to "
-                  "C/sqrt(#tensors), total sensitivity C) or 'automatic' (Bu et al.: g·C/(||g||+0.01)). 'none' (with noise_multiplier=0 only): the true "
-                  "non-private reference, the plain gradient through the same trainer (ε = ∞).",
+                  "C/sqrt(#tensors), total sensitivity C) or 'automatic' (Bu et al.: g·C/(||g||+0.01)). 'none' "
+                  "(with noise_multiplier=0 only): the true non-private reference, the plain gradient through the "
+                  "same trainer (ε = ∞).",
                   "choices": CLIPPING_MODES},
     )
     clipping_engine: str = field(

@@ -9,12 +9,12 @@ from opacus.grad_sample import GradSampleHooks
 from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 from transformers.utils import logging
 
-from . import TRAINER_LOGGER
 from ..errors import DPConfigError
 from ..privacy.attributes import clear_dp_attributes
 from ..privacy.batch_rows import ExampleRows
 from ..privacy.ghost_clipping import GhostClippingEngine, unsupported_reason
 from ..privacy.grad_samplers import opt_positions_pre_hook
+from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
 

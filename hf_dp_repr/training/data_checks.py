@@ -18,8 +18,9 @@ Example:
     >>> try:
     ...     check_batch_inputs(tiny_vit(), {"labels": None}, dataset_columns(train))
     ... except DPConfigError as err:
-    ...     print(str(err).split(" (the Trainer")[0])
-    DPTrainer: the training dataset has columns ['image', 'labels'] but ViTForImageClassification.forward takes pixel_values, labels, interpolate_pos_encoding, attention_mask, and the collated batch has no `pixel_values`
+    ...     print(str(err).split(" (the Trainer")[0])  # doctest: +NORMALIZE_WHITESPACE
+    DPTrainer: the training dataset has columns ['image', 'labels'] but ViTForImageClassification.forward takes
+    pixel_values, labels, interpolate_pos_encoding, attention_mask, and the collated batch has no `pixel_values`
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def check_labels(model, dataset) -> None:
     if isinstance(feature, datasets.ClassLabel):
         if feature.num_classes > classes:
             raise DPConfigError(f"DPTrainer: the training dataset's `{column}` is a ClassLabel of "
-                                f"{feature.num_classes} classes but {model_name} has config.num_labels={classes}; load the model with "
+                                f"{feature.num_classes} classes but {model_name} has config.num_labels={classes}; "
+                                "load the model with "
                                 f"num_labels={feature.num_classes} (e.g. `from_pretrained(name, num_labels="
                                 f"{feature.num_classes}, ignore_mismatched_sizes=True)`).")
         return

@@ -35,8 +35,8 @@ import datasets
 import numpy as np
 from transformers.utils import logging
 
-from . import TRAINER_LOGGER
 from ..errors import DPConfigError
+from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
 MAX_HASHED_ROWS = 50_000

@@ -13,12 +13,18 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.utils import logging
 
-from . import TRAINER_LOGGER
+from ..privacy.loss import per_example_loss
 from ..scope.cached_head import HEAD_INPUTS_KEY, head_inputs_collator, head_inputs_for, prepare_cached_head
 from ..scope.feature_store import NotCacheable, data_reason_not_to_cache
-from ..scope.prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, prepare_prefix_cache, run_from_states,
-                           states_for)
-from ..privacy.loss import per_example_loss
+from ..scope.prefix_cache import (
+    STATES_KEY,
+    StatesCollator,
+    StatesDataset,
+    prepare_prefix_cache,
+    run_from_states,
+    states_for,
+)
+from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 
-from .arguments import DPTrainingArguments
 from ..errors import DPConfigError
 from ..privacy.accounting import calibrate_last_phase, calibrate_noise_multiplier
 from ..privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
+from .arguments import DPTrainingArguments
 
 # Plan fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
 RESUME_INVARIANTS = ("accountant", "target_delta", "phases", "per_sample_max_grad_norm", "clipping", "dataset_size",
@@ -33,7 +33,8 @@ def logical_batch(args: DPTrainingArguments, per_device: int, n: int) -> int:
     if batch > n:
         raise DPConfigError(
             f"DPTrainer: the logical batch (per-device batch × gradient_accumulation_steps × processes = {batch}) "
-            f"exceeds the {n} training {'examples' if args.privacy_unit == 'row' else 'units (' + args.privacy_unit + ')'}; "
+            f"exceeds the {n} training "
+            f"{'examples' if args.privacy_unit == 'row' else 'units (' + args.privacy_unit + ')'}; "
             "lower the batch size."
         )
     return batch

@@ -10,9 +10,9 @@ import logging as std_logging
 
 from transformers.utils import logging
 
-from . import TRAINER_LOGGER
 from ..privacy.units import ROW, describe_unit
 from ..scope.blocks import block_stack_name, describe_trainable
+from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
@@ -40,7 +40,8 @@ class DPPlanReportMixin:
                  f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
                  f"C={led.per_sample_max_grad_norm}, unit of privacy: {describe_unit(led.privacy_unit)}, "
                  f"{led.dataset_size} {'examples' if led.privacy_unit == ROW else 'units'}"
-                 f"{'' if self.args.max_rows_per_unit is None else f' (at most {self.args.max_rows_per_unit} rows each per step)'}"
+                 + ("" if self.args.max_rows_per_unit is None
+                    else f" (at most {self.args.max_rows_per_unit} rows each per step)") +
                  f"): ε at the end of the plan {led.planned_epsilon():.4f}"]
         stack = block_stack_name(self.model, self.args.block_stack)
         for i, phase in enumerate(led.phases):

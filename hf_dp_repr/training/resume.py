@@ -26,9 +26,9 @@ from transformers import TrainerState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
+from ..privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan, write_atomically
 from .output_dir import ARGS_FILE, TRAINER_STATE, last_complete_checkpoint
 from .plan import continued_arguments, resume_ledger
-from ..privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan, write_atomically
 
 logger = logging.get_logger(__name__)
 

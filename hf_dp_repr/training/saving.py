@@ -17,8 +17,8 @@ import shutil
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 from transformers.utils import PushInProgress, logging
 
-from .checkpoint import load_checkpoint_weights
 from .arguments import check_hub_strategy
+from .checkpoint import load_checkpoint_weights
 from .output_dir import ARGS_FILE, STAGING_DIR, check_writable, fsync_folder
 
 logger = logging.get_logger(__name__)
@@ -161,8 +161,8 @@ class DPSavingMixin:
         `hub_model_id=` names the repository (default: args.hub_model_id, else output_dir's name); the Trainer's card
         keywords (license, tags, language, model_name, finetuned_from, dataset) go into the DP card; others are
         refused (`ModelCardInfo.with_trainer_card_args`)."""
-        from ..hub.push import push_dp_model
         from ..hub.card import ModelCardInfo
+        from ..hub.push import push_dp_model
 
         repo_id = kwargs.pop("hub_model_id", None) or self.hub_model_id or self.args.hub_model_id
         if kwargs:  # the Trainer's card keywords (license, tags, ...) go into the DP card; the others are refused

@@ -29,38 +29,41 @@ import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, default_data_collator
-from transformers.utils import ModelOutput
-from transformers.utils import logging
+from transformers.utils import ModelOutput, logging
 
-from . import TRAINER_LOGGER
-from ..scope.cached_head import set_probe_modes
-from .arguments import DPTrainingArguments, check_hub_strategy
-from .argument_checks import check_one_run
-from .eval_overlap import DPEvalOverlapMixin
-from ..scope.head_init import init_head
-from ..scope.lora import has_peft_adapters
 from ..hub.card import ModelCardInfo
-from .plan import plan_run, resume_ledger
-from .continual import check_public_phase, finish_record, start_continual
-from .data_checks import check_labels, check_train_inputs
-from ..scope.prefix_cache import (STATES_KEY, StatesCollator, StatesDataset, run_from_states,
-                           set_frozen_prefix_modes)
-from ..privacy.ledger import PrivacyLedger, PrivacyPlan
 from ..privacy.grad_samplers import batch_position_ids
+from ..privacy.ledger import PrivacyLedger, PrivacyPlan
 from ..privacy.loss import is_causal_lm, per_example_loss
 from ..privacy.optimizer import MicroBatchDPOptimizer
 from ..privacy.probe import probe_training_rows
 from ..privacy.randomness import DPRandomness
-from ..privacy.sampler import (UNIT_KEY, ExampleBatchCollator, PoissonBatchSampler, SamplerEpochCallback,
-                              ShuffledBatchSampler)
+from ..privacy.sampler import (
+    UNIT_KEY,
+    ExampleBatchCollator,
+    PoissonBatchSampler,
+    SamplerEpochCallback,
+    ShuffledBatchSampler,
+)
 from ..privacy.units import ROW, UnitPoissonBatchSampler, UnitRowsDataset, column_values, unit_rows
 from ..privacy.validation import check_model_is_privatizable, check_train_dataset
-from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
+from ..scope.cached_head import set_probe_modes
+from ..scope.head_init import init_head
+from ..scope.lora import has_peft_adapters
 from ..scope.phases import phase_scopes
-from .clipping import DPClippingMixin
-from .features import DPFeatureCacheMixin
+from ..scope.prefix_cache import STATES_KEY, StatesCollator, StatesDataset, run_from_states, set_frozen_prefix_modes
+from . import TRAINER_LOGGER
+from .argument_checks import check_one_run
 from .argument_fields import check_refused_fields, train_dataloader_options
+from .arguments import DPTrainingArguments, check_hub_strategy
+from .clipping import DPClippingMixin
+from .continual import check_public_phase, finish_record, start_continual
+from .data_checks import check_labels, check_train_inputs
+from .eval_overlap import DPEvalOverlapMixin
+from .features import DPFeatureCacheMixin
+from .plan import plan_run, resume_ledger
 from .report import DPPlanReportMixin
+from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
 from .search import DPSearchMixin
 

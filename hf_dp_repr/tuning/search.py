@@ -9,8 +9,9 @@ Two modes (`tuning_data`):
 - "public" (default) or "held_out": the trials train on data that is NOT the private training set the final model
   protects (public data, or individuals held out from it). The search spends none of the final run's budget;
   nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row. It is
-  checked by dataset fingerprint (`hf_dp_repr.training.tuning_data`): such a search on the training set of an earlier DP run of the
-  process, or a DP run of the same trainer on the data its search tuned on, is refused (`TuningDataError`).
+  checked by dataset fingerprint (`hf_dp_repr.training.tuning_data`): such a search on the training set of an
+  earlier DP run of the process, or a DP run of the same trainer on the data its search tuned on, is refused
+  (`TuningDataError`).
 - "private": the trials train on the private data, and the search is accounted with Papernot & Steinke (2022,
   `selection_privacy`): the number of trials K is drawn from `trial_count` with OS-entropy randomness (never from
   `args.seed`); hyperparameters are drawn independently of the data (Optuna's RandomSampler on a secret seed: an
