@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hf_dp_repr import feature_store
+from hf_dp_repr.scope import feature_store
 from hf_dp_repr.scope.feature_store import CACHE_PREFIX, CacheEntry, remove_stale_caches
 
 ROOT = Path(__file__).resolve().parents[1]
