@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo clean
+.PHONY: venv test test-fast lint demo clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,14 @@ $(STAMP): setup.cfg pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The inner loop: the suite without the tests marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+# Lint and import order (pyproject.toml [tool.ruff]); `$(VENV)/bin/ruff check --fix .` sorts imports.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -23,7 +23,7 @@ from datasets import Dataset
 from transformers import ViTConfig, ViTForImageClassification
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.feature_store import clear_feature_cache
+from hf_dp_repr.scope.feature_store import clear_feature_cache
 
 
 def vit_s(image_size: int, patch_size: int) -> ViTForImageClassification:

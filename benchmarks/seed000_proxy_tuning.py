@@ -63,7 +63,7 @@ def compute_features(path: str = CACHE, batch_size: int = 64) -> None:
     computed: each feature depends on its own image and the public backbone only."""
     from transformers import AutoConfig, AutoModel
 
-    from hf_dp_repr.image_data import describe, image_processor_for
+    from hf_dp_repr.data.images import describe, image_processor_for
 
     config = AutoConfig.from_pretrained(MODEL)
     processor, how = image_processor_for(MODEL, config, image_size=224)
@@ -103,7 +103,7 @@ def splits(y_train: np.ndarray) -> dict[str, np.ndarray]:
     The held-out rule: for each class c in increasing order, the rows of class c NOT in the private index file, in
     increasing order, permuted with one `numpy.random.default_rng(1)` (drawn class after class); the first 100 are
     "tune", the rest "val". The three sets are disjoint; none of them is the test split."""
-    from hf_dp_repr.image_data import read_index_file
+    from hf_dp_repr.data.images import read_index_file
 
     private = np.array(sorted(read_index_file(PRIVATE_INDEX, len(y_train))))
     rest = np.setdiff1d(np.arange(len(y_train)), private)

@@ -1,24 +1,46 @@
-"""hf-dp-repr: differentially private fine-tuning of Hugging Face models, and what DP noise does to their representations.
+"""hf-dp-repr: differentially private fine-tuning of Hugging Face models, and what DP noise does to their
+representations.
 
-The classes and functions below load on first use (PEP 562), so `import hf_dp_repr` imports neither torch nor
-transformers: the entry points set up the process first (`hf_dp_repr.entry_point`) and `hf-dp-repr privacy` loads
-only the accountant.
+The package follows the pipeline, one folder per stage, each importing only the stages before it: `data` → `scope`
+→ `privacy` → `hub` → `training` → `analysis` → `audit`, `tuning` → `scripts` (and `cli`). The classes and
+functions below load on first use (PEP 562), so `import hf_dp_repr` imports neither torch nor transformers: the
+entry points set up the process first (`hf_dp_repr.entry_point`) and `hf-dp-repr privacy` loads only the
+accountant. Module paths from before the stages (`hf_dp_repr.model_card`, `hf_dp_repr.config`, ...) still import,
+with a DeprecationWarning (`hf_dp_repr._moved`).
 """
 
 __version__ = "0.1.0"
 
 import importlib
 
-from .errors import (AuditDataError, CheckpointMismatchError, DPConfigError, HfDpReprError,  # noqa: E402
-                     HubAccessError, ModelFileError, NotPrivatizableError, OutOfReachError, OutputDirError,
-                     PrivacyBudgetExhaustedError, ProcessGroupError, ScopeError, TuningDataError)
-from .quiet import silence_known_noise  # noqa: E402
+from . import _moved
+from .errors import (
+    AuditDataError,
+    CheckpointMismatchError,
+    DPConfigError,
+    HfDpReprError,
+    HubAccessError,
+    ModelFileError,
+    NotPrivatizableError,
+    OutOfReachError,
+    OutputDirError,
+    PrivacyBudgetExhaustedError,
+    ProcessGroupError,
+    ScopeError,
+    TuningDataError,
+)
+from .quiet import silence_known_noise
+from .training.search_backends import register_search_backend
 
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)
+_moved.install()  # old module paths import as the new modules, with a DeprecationWarning
+# DPTrainer.hyperparameter_search(backend="optuna"): tuning's search, imported at its first use (training imports
+# nothing of tuning)
+register_search_backend("optuna", "hf_dp_repr.tuning.search:run_search")
 
-_LAZY = {"DPTrainer": "trainer", "DPTrainingArguments": "config", "PrivacyLedger": "privacy.ledger",
-         "PrivacyPlan": "privacy.ledger", "calibrate_noise_multiplier": "privacy.accounting",
-         "compute_epsilon": "privacy.accounting"}
+_LAZY = {"DPTrainer": "training.trainer", "DPTrainingArguments": "training.arguments",
+         "ModelCardInfo": "hub.card", "PrivacyLedger": "privacy.ledger", "PrivacyPlan": "privacy.ledger",
+         "calibrate_noise_multiplier": "privacy.accounting", "compute_epsilon": "privacy.accounting"}
 
 
 def __getattr__(name: str):
@@ -33,7 +55,7 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["DPTrainer", "DPTrainingArguments", "PrivacyLedger", "PrivacyPlan", "calibrate_noise_multiplier",
-           "compute_epsilon", "HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
-           "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError",
-           "ProcessGroupError", "AuditDataError", "ModelFileError"]
+__all__ = ["DPTrainer", "DPTrainingArguments", "ModelCardInfo", "PrivacyLedger", "PrivacyPlan",
+           "calibrate_noise_multiplier", "compute_epsilon", "HfDpReprError", "DPConfigError", "NotPrivatizableError",
+           "ScopeError", "OutOfReachError", "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError",
+           "OutputDirError", "HubAccessError", "ProcessGroupError", "AuditDataError", "ModelFileError"]

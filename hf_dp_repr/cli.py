@@ -31,8 +31,8 @@ import json
 import math
 import sys
 
-from .config_checks import target_epsilon_problem
 from .entry_point import prepare_entry_point
+from .training.argument_checks import target_epsilon_problem
 
 
 def _target_epsilon(text: str) -> float:
@@ -124,7 +124,7 @@ def _add_push_parser(subparsers) -> None:
 
 
 def run_push(args: argparse.Namespace) -> int:
-    from .hub import HubAccessError, files_to_push, push_run_folder
+    from .hub.push import HubAccessError, files_to_push, push_run_folder
 
     try:
         info = push_run_folder(args.output_dir, args.hub_model_id, private=args.private or None,

@@ -70,6 +70,6 @@ class ModelFileError(HfDpReprError, OSError):
     """A model's weights file cannot be read (truncated or corrupted); the message names the file and the fix."""
 
 
-__all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError", "AuditDataError",
-           "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError", "OutputDirError", "HubAccessError",
-           "ProcessGroupError", "ModelFileError"]
+__all__ = ["HfDpReprError", "DPConfigError", "NotPrivatizableError", "ScopeError", "OutOfReachError",
+           "AuditDataError", "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError",
+           "OutputDirError", "HubAccessError", "ProcessGroupError", "ModelFileError"]

@@ -1,4 +1,5 @@
-"""The image recipe (the code and its documentation: `hf_dp_repr/scripts/image_classification.py`; also `hf-dp-repr train image`).
+"""The image recipe (the code and its documentation: `hf_dp_repr/scripts/image_classification.py`; also
+`hf-dp-repr train image`).
 
     python recipes/dp_image_classification.py --help
     accelerate launch [--config_file recipes/accelerate_configs/cpu_2proc.yaml] recipes/dp_image_classification.py ARGS

@@ -1,4 +1,5 @@
-"""The text recipe (the code and its documentation: `hf_dp_repr/scripts/text_classification.py`; also `hf-dp-repr train text`).
+"""The text recipe (the code and its documentation: `hf_dp_repr/scripts/text_classification.py`; also
+`hf-dp-repr train text`).
 
     python recipes/dp_text_classification.py --help
     accelerate launch [--config_file recipes/accelerate_configs/cpu_2proc.yaml] recipes/dp_text_classification.py ARGS

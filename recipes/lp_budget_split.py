@@ -18,9 +18,9 @@ def main(argv=None):
 
     from hf_dp_repr import DPTrainingArguments
     from hf_dp_repr.data import load_digits_dataset
+    from hf_dp_repr.scripts.seed000 import pretrain_public, split_off
     from hf_dp_repr.tiny import tiny_vit
     from hf_dp_repr.tuning.budget_split import sweep_budget_split, write_budget_split
-    from hf_dp_repr.tuning.seed000 import _split, pretrain_public
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="split_out")
@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--pretrain_epochs", type=int, default=30)
     a = p.parse_args(argv)
     digits = load_digits_dataset()
-    private, public = _split(digits["train"], 0.3)
+    private, public = split_off(digits["train"], 0.3)
     base = pretrain_public(tiny_vit(), public, f"{a.output_dir}/public_pretrained", epochs=a.pretrain_epochs)
     args = DPTrainingArguments(output_dir=a.output_dir, target_epsilon=a.target_epsilon, target_delta=a.target_delta,
                                trainable_blocks=a.trainable_blocks, num_train_epochs=a.num_train_epochs,

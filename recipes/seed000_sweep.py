@@ -1,6 +1,6 @@
 """Seed 000's experiment in one command (CI-sized on the embedded default): for each ε and k = 1..L, tune with
 Optuna on public data, train with DP on the private split, measure D_l per layer, compare with a constant
-learning rate; writes report.md, results.csv and the figures. Logic in `hf_dp_repr.tuning.seed000`.
+learning rate; writes report.md, results.csv and the figures. Logic in `hf_dp_repr.scripts.seed000`.
 
     python recipes/seed000_sweep.py --output_dir seed000_out --epsilons 1 8 --n_trials 4
 """
@@ -13,7 +13,7 @@ prepare_entry_point(tiny_model=True)  # before torch loads; one thread: tiny ViT
 
 
 def main(argv=None):
-    from hf_dp_repr.tuning.seed000 import run_seed000
+    from hf_dp_repr.scripts.seed000 import run_seed000
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="seed000_out")

@@ -18,10 +18,10 @@ torch.set_num_threads(2)
 
 @pytest.fixture(autouse=True)
 def _each_test_is_a_process_of_its_own():
-    """hf_dp_repr.tuning.tuning_data remembers the private training sets of the process (a public-mode search on one
+    """hf_dp_repr.training.tuning_data remembers the private training sets of the process (a public-mode search on one
     is refused); tests reuse the same digits rows for unrelated scenarios."""
     yield
-    from hf_dp_repr.tuning.tuning_data import forget
+    from hf_dp_repr.training.tuning_data import forget
 
     forget()
 

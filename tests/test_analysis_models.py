@@ -11,10 +11,8 @@ from hf_dp_repr.analysis import (
     prediction_residual,
     separation_fuzziness,
 )
-from hf_dp_repr.data import byte_tokenize, load_stdlib_blocks, stdlib_text
-from hf_dp_repr.data import load_digits_dataset
+from hf_dp_repr.data import byte_tokenize, load_digits_dataset, load_stdlib_blocks, stdlib_text
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

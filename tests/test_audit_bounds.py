@@ -4,8 +4,12 @@ import math
 
 import pytest
 
-from hf_dp_repr.audit.bounds import (clopper_pearson, multi_run_epsilon_lower_bound, one_run_epsilon_lower_bound,
-                                     one_run_p_value)
+from hf_dp_repr.audit.bounds import (
+    clopper_pearson,
+    multi_run_epsilon_lower_bound,
+    one_run_epsilon_lower_bound,
+    one_run_p_value,
+)
 
 
 def test_one_run_all_guesses_right_delta_zero():

@@ -9,8 +9,15 @@ import pytest
 from transformers import TrainingArguments
 
 from hf_dp_repr import DPTrainingArguments
-from hf_dp_repr.audit.canaries import (draw_inclusion, guess, make_canaries, one_run_audit, score_guesses,
-                                       train_with_canaries, with_canaries)
+from hf_dp_repr.audit.canaries import (
+    draw_inclusion,
+    guess,
+    make_canaries,
+    one_run_audit,
+    score_guesses,
+    train_with_canaries,
+    with_canaries,
+)
 from hf_dp_repr.tiny import tiny_vit
 
 SMALL_VIT = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
@@ -23,9 +30,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (t
 def test_inclusion_draw_is_secret_by_default_and_ignores_global_seeds():
     import torch
 
-    np.random.seed(0); torch.manual_seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
     a = draw_inclusion(256)
-    np.random.seed(0); torch.manual_seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
     b = draw_inclusion(256)
     assert not np.array_equal(a, b)  # OS entropy, not the (public) global seeds
     assert np.array_equal(draw_inclusion(256, seed=5), draw_inclusion(256, seed=5))
@@ -116,7 +125,7 @@ def test_bound_goes_into_the_card_only_when_asked(tmp_path):
 
     from hf_dp_repr.audit.canaries import save_canary_audit
     from hf_dp_repr.hub import files_to_push
-    from hf_dp_repr.model_card import refresh_model_card
+    from hf_dp_repr.hub.card import refresh_model_card
     from hf_dp_repr.privacy.accounting import compute_epsilon
 
     led = dict(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat", dataset_size=347,

@@ -11,13 +11,18 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from transformers import OPTConfig, OPTForCausalLM, T5Config, T5ForConditionalGeneration, default_data_collator
 from transformers.utils import ModelOutput
-from utils import (brute_force_update, make_token_classification_dataset, make_token_dataset, relative_error,
-                   run_one_step)
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError, NotPrivatizableError
 from hf_dp_repr.privacy.batch_rows import ExampleRows, RowsProbe, rows_per_example
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
+from utils import (
+    brute_force_update,
+    make_token_classification_dataset,
+    make_token_dataset,
+    relative_error,
+    run_one_step,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T = 8  # tokens per row in the token datasets

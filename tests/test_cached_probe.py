@@ -79,7 +79,7 @@ def test_probe_evaluates_and_sweeps_on_features_computed_once(digits, tmp_path):
     the backbone); a later train() and a model_init trial with the same backbone reuse the training set's."""
     import math
 
-    from hf_dp_repr.feature_store import clear_feature_cache
+    from hf_dp_repr.scope.feature_store import clear_feature_cache
 
     clear_feature_cache()
     data, held_out = digits["train"].select(range(96)), digits["test"].select(range(40))

@@ -8,12 +8,12 @@ import pytest
 from huggingface_hub import ModelCard
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification
-from utils import make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
-from hf_dp_repr.model_card import refresh_model_card, render_model_card
+from hf_dp_repr.hub.card import refresh_model_card, render_model_card
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
+from utils import make_token_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

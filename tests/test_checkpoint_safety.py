@@ -90,7 +90,7 @@ def test_a_truncated_ledger_is_skipped_and_named(data, tmp_path):
 
 
 def test_the_ledger_is_computed_before_its_file_is_opened(tmp_path, monkeypatch):
-    from hf_dp_repr.plan import plan_run
+    from hf_dp_repr.training.plan import plan_run
 
     args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, target_delta=1e-3, max_steps=4,
                                per_device_train_batch_size=10, report_to="none")

@@ -14,7 +14,8 @@ def test_digits_normalisation_is_a_fixed_affine_map_of_the_pixel_range(monkeypat
 
     real = load_digits_dataset()
     raw = sklearn.datasets.load_digits()
-    pixels = np.concatenate([real["train"][:]["pixel_values"].numpy().ravel(), real["test"][:]["pixel_values"].numpy().ravel()])
+    pixels = np.concatenate([real["train"][:]["pixel_values"].numpy().ravel(),
+                             real["test"][:]["pixel_values"].numpy().ravel()])
     assert pixels.min() == -1.0 and pixels.max() == 1.0
     assert sorted(set(pixels.tolist())) == [(v - 8) / 8 for v in range(17)]
     assert abs(raw.images.mean() - 4.88) < 0.01  # the data's own mean is not what is subtracted

@@ -5,12 +5,11 @@ import pytest
 import torch
 from datasets import ClassLabel, Value
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr import errors
-from hf_dp_repr.data_checks import check_train_inputs
+from hf_dp_repr import DPTrainer, DPTrainingArguments, errors
 from hf_dp_repr.errors import DPConfigError
 from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.tiny import tiny_vit
+from hf_dp_repr.training.data_checks import check_train_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

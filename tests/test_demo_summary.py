@@ -2,6 +2,7 @@
 
 import json
 import math
+
 import pytest
 
 from hf_dp_repr.scripts import demo

@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
-from utils import ACCUMULATION, BATCH, brute_force_update, relative_error, run_one_step  # noqa: F401  (also imported from here)
 
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
+from utils import ACCUMULATION, BATCH, brute_force_update, relative_error, run_one_step  # noqa: F401  (also imported from here)
 
 MODELS = {
     "vit": lambda: tiny_vit(num_labels=10),

@@ -9,9 +9,8 @@ from peft import LoraConfig
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments, PrivacyLedger
 from hf_dp_repr.cli import main
-from hf_dp_repr.lora import apply_peft_config
-from hf_dp_repr.privacy.accounting import compute_epsilon
-from hf_dp_repr.privacy.budget_floor import epsilon_floor
+from hf_dp_repr.privacy.accounting import compute_epsilon, epsilon_floor
+from hf_dp_repr.scope.lora import apply_peft_config
 from hf_dp_repr.tiny import tiny_vit
 
 

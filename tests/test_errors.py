@@ -20,12 +20,12 @@ def test_hierarchy_is_exported_and_keeps_the_builtins():
 
 
 def test_old_import_paths_still_work():
-    from hf_dp_repr.checkpoint import CheckpointMismatchError
     from hf_dp_repr.hub import HubAccessError
     from hf_dp_repr.privacy.accounting import OutOfReachError
     from hf_dp_repr.privacy.validation import NotPrivatizableError
     from hf_dp_repr.scope import ScopeError
     from hf_dp_repr.scripts.checks import RecipeArgumentError
+    from hf_dp_repr.training.checkpoint import CheckpointMismatchError
 
     assert (CheckpointMismatchError, HubAccessError, OutOfReachError, NotPrivatizableError, ScopeError) == (
         errors.CheckpointMismatchError, errors.HubAccessError, errors.OutOfReachError, errors.NotPrivatizableError,

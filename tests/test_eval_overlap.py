@@ -8,10 +8,10 @@ import pytest
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError
-from hf_dp_repr.eval_overlap import shared_rows
 from hf_dp_repr.hub import check_pushable
-from hf_dp_repr.model_card import write_model_card
+from hf_dp_repr.hub.card import write_model_card
 from hf_dp_repr.tiny import tiny_vit
+from hf_dp_repr.training.eval_overlap import shared_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 

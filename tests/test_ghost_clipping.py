@@ -28,7 +28,7 @@ def token_batch(vocab=128, labels="lm", seed=0):
 def lora_gpt2():
     from peft import LoraConfig
 
-    from hf_dp_repr.lora import apply_peft_config
+    from hf_dp_repr.scope.lora import apply_peft_config
 
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], init_lora_weights=False)
     return apply_peft_config(tiny_gpt2(), cfg)

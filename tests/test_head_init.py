@@ -8,12 +8,11 @@ import os
 import optuna
 import pytest
 import torch
-from transformers import (GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification, TrainerCallback,
-                          ViTModel)
+from transformers import GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification, TrainerCallback, ViTModel
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError
-from hf_dp_repr.head_init import init_head, output_layer
+from hf_dp_repr.scope.head_init import init_head, output_layer
 from hf_dp_repr.tiny import tiny_gpt2_config, tiny_vit, tiny_vit_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,8 +11,8 @@ import optuna
 import pytest
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.plan import plan_run
 from hf_dp_repr.tiny import tiny_vit
+from hf_dp_repr.training.plan import plan_run
 from hf_dp_repr.tuning.selection_privacy import TrialCount, rdp_curve, search_epsilon
 
 TARGET = 2.0

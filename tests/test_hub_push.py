@@ -15,13 +15,13 @@ import torch
 from huggingface_hub import HfApi, ModelCard, constants, hf_hub_download, metadata_load
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from transformers import TrainerCallback
-from utils import free_port, make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
 from hf_dp_repr.hub import HubAccessError, check_hub_access, create_repo, upload_run
-from hf_dp_repr.model_card import format_epsilon
+from hf_dp_repr.hub.card import format_epsilon
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
+from utils import free_port, make_token_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

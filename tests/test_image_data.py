@@ -7,10 +7,18 @@ import numpy as np
 import pytest
 from transformers import Dinov2Config
 
-from hf_dp_repr.feature_store import data_reason_not_to_cache
+from hf_dp_repr.data.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    image_processor_for,
+    load_npz,
+    per_class_indices,
+    read_index_file,
+    to_pixel_values,
+    write_index_file,
+)
 from hf_dp_repr.errors import DPConfigError
-from hf_dp_repr.image_data import (IMAGENET_MEAN, IMAGENET_STD, image_processor_for, load_npz, per_class_indices,
-                                   read_index_file, to_pixel_values, write_index_file)
+from hf_dp_repr.scope.feature_store import data_reason_not_to_cache
 from hf_dp_repr.tiny import tiny_vit
 
 

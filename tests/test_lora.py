@@ -9,14 +9,13 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model
-from utils import ACCUMULATION, BATCH, brute_force_update, relative_error, run_one_step
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSequenceClassification
 
-from utils import make_token_dataset
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.lora import apply_peft_config, check_peft_model
 from hf_dp_repr.privacy.ledger import LEDGER_FILE
+from hf_dp_repr.scope.lora import apply_peft_config, check_peft_model
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
+from utils import ACCUMULATION, BATCH, brute_force_update, make_token_dataset, relative_error, run_one_step
 
 # name: (constructor, LoRA options, dataset kind, Auto class that must load the merged model)
 CASES = {

@@ -1,4 +1,5 @@
-"""The DP model card states the run's facts, and the Hub push sends exactly the DP run's files (captured, no network)."""
+"""The DP model card states the run's facts, and the Hub push sends exactly the DP run's files (captured, no
+network)."""
 
 import json
 import math
@@ -9,7 +10,7 @@ from huggingface_hub import ModelCard
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import load_digits_dataset
 from hf_dp_repr.hub import push_dp_model
-from hf_dp_repr.model_card import format_epsilon, render_model_card, template_path, write_model_card
+from hf_dp_repr.hub.card import format_epsilon, render_model_card, template_path, write_model_card
 from hf_dp_repr.privacy.accounting import compute_epsilon
 from hf_dp_repr.tiny import tiny_vit
 
@@ -47,12 +48,14 @@ def test_card_states_the_guarantee_data_scope_versions_and_laws(tmp_path):
     assert f"**{eps}**" in text and f"(ε = {eps}, δ = 1e-05)-differentially private" in text
     for fact in ("| δ | 1e-05 |", "| target ε | 4 |", "pld (dp_accounting)", "| noise multiplier σ | 1.25 |",
                  "| per-example clipping norm C | 0.5 (per_layer clipping) |",
-                 "Poisson batches, sample rate q = 0.05 (expected logical batch 64)", "| steps taken / planned | 200 / 200 |",
+                 "Poisson batches, sample rate q = 0.05 (expected logical batch 64)",
+                 "| steps taken / planned | 200 / 200 |",
                  "| epochs, as the Trainer counts them | 10 |", "| expected passes over the data (Σ q × steps) | 10 |",
                  "| private training examples (n) | 1280 |", "| processes | 2 |",
                  "PRIVATE-SET-XYZ", "PUBLIC-SET-ABC", "last 2 of 4 blocks + head (classifier)",
                  "google/vit-base-patch16-224-in21k", "| eval_accuracy | 0.9123 |",
-                 "| separation fuzziness D_l | 0.4321 | -0.987 | 0..4 |", "| prediction residual PR_l | 0.8765 | -0.95 | 1..4 |"):
+                 "| separation fuzziness D_l | 0.4321 | -0.987 | 0..4 |",
+                 "| prediction residual PR_l | 0.8765 | -0.95 | 1..4 |"):
         assert fact in text, fact
     import opacus
     import torch
@@ -87,7 +90,8 @@ def test_card_of_a_legacy_scalar_ledger(tmp_path):
 
 def test_non_private_and_non_poisson_runs_are_flagged():
     led = _ledger(history=[[0.0, 0.05, 200]],
-                  phases=[dict(name="train", noise_multiplier=0.0, sample_rate=0.05, steps=200, expected_batch_size=64)])
+                  phases=[dict(name="train", noise_multiplier=0.0, sample_rate=0.05, steps=200,
+                               expected_batch_size=64)])
     assert math.isinf(led["epsilon"])
     text = render_model_card(led).text
     assert "NOT differentially private (ε = ∞)" in text and "-differentially private." not in text
@@ -103,7 +107,7 @@ def _non_private_ledger():
 
 
 def test_card_of_a_non_private_reference_says_what_it_is():
-    from hf_dp_repr.model_card import NON_PRIVATE_TAGS
+    from hf_dp_repr.hub.card import NON_PRIVATE_TAGS
 
     card = render_model_card(_non_private_ledger(), model_card_info={"model_name": "tiny_vit fine-tuned on digits"})
     text = card.text
@@ -151,7 +155,10 @@ def test_template_is_the_one_in_model_cards():
     from pathlib import Path
 
     shipped = Path(template_path())
-    assert shipped.read_text() == (Path(__file__).resolve().parents[1] / "model_cards" / "dp_model_card.md").read_text()
+    root = Path(__file__).resolve().parents[1]
+    assert shipped.read_text() == (root / "model_cards" / "dp_model_card.md").read_text()
+    # one file: the package ships it through a symbolic link, not a second copy to keep in step
+    assert [p.name for p in (root / "hf_dp_repr").rglob("*.md") if not p.is_symlink()] == []
 
 
 # ---- a real run: the card at every save, and the push ----------------------------------------------------------
@@ -183,7 +190,7 @@ def test_every_save_writes_the_card_next_to_the_ledger(trained):
 def test_card_refreshed_from_the_folder_alone_keeps_what_the_caller_said(trained, tmp_path):
     import shutil
 
-    from hf_dp_repr.model_card import refresh_model_card
+    from hf_dp_repr.hub.card import refresh_model_card
 
     trainer, out = trained
     folder = tmp_path / "copy"

@@ -5,7 +5,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.model_card import ModelCardInfo, write_model_card
+from hf_dp_repr.hub.card import ModelCardInfo, write_model_card
 from hf_dp_repr.tiny import tiny_vit
 
 

@@ -27,7 +27,7 @@ def _enclosing_functions(tree):
 
 
 def test_peft_detection_has_one_home():
-    """`hasattr(model, "peft_config")` and `isinstance(model, PeftModel)` only inside lora.py's two helpers."""
+    """`hasattr(model, "peft_config")` and `isinstance(model, PeftModel)` only inside scope/lora.py's two helpers."""
     found = []
     for path, tree in _trees():
         owner = _enclosing_functions(tree)
@@ -38,7 +38,7 @@ def test_peft_detection_has_one_home():
             if ((node.func.id == "hasattr" and isinstance(arg, ast.Constant) and arg.value == "peft_config")
                     or (node.func.id == "isinstance" and "PeftModel" in ast.unparse(arg))):
                 found.append((path, owner[node]))
-    assert sorted(found) == [("lora.py", "has_peft_adapters"), ("lora.py", "is_peft_model")]
+    assert sorted(found) == [("scope/lora.py", "has_peft_adapters"), ("scope/lora.py", "is_peft_model")]
 
 
 def test_per_parameter_dp_attributes_are_listed_once():
@@ -60,7 +60,8 @@ def test_grad_samplers_are_registered_by_importing_the_package_and_twice_is_harm
     code = (
         "import hf_dp_repr\n"
         "from opacus.grad_sample import GradSampleModule\n"
-        "from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping as F\n"
+        "from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import "
+        "GradSampleModuleFastGradientClipping as F\n"
         "from transformers.pytorch_utils import Conv1D\n"
         "from hf_dp_repr.privacy.grad_samplers import HF_GRAD_SAMPLERS, conv1d_grad_sample, register_grad_samplers\n"
         "assert GradSampleModule.GRAD_SAMPLERS[Conv1D] is conv1d_grad_sample is F.GRAD_SAMPLERS[Conv1D]\n"
@@ -95,13 +96,13 @@ def _imports(tree) -> set[str]:
 
 def test_embedded_datasets_have_one_loader_and_no_import_cycle():
     """`hf_dp_repr.data` serves every embedded dataset; the stdlib corpus behind it imports nothing of the package,
-    and nothing but data.py imports it, so data ↔ analysis cannot import each other again."""
+    and nothing but data/embedded.py imports it, so data ↔ analysis cannot import each other again."""
     trees = dict(_trees())
     assert not (PACKAGE / "analysis" / "corpus.py").exists()
-    assert _imports(trees["stdlib_corpus.py"]) == set()
-    assert not {m for m in _imports(trees["data.py"]) if "analysis" in m or "scripts" in m}
+    assert _imports(trees["data/stdlib_corpus.py"]) == set()
+    assert not {m for m in _imports(trees["data/embedded.py"]) if "analysis" in m or "scripts" in m}
     users = sorted(path for path, tree in trees.items() if any("stdlib_corpus" in m for m in _imports(tree)))
-    assert users == ["data.py"]
+    assert users == ["data/embedded.py"]
     for module in ("hf_dp_repr.analysis.inputs", "hf_dp_repr.data"):  # each alone, in a fresh interpreter
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=PACKAGE.parent)
 
@@ -135,4 +136,4 @@ def test_each_embedded_dataset_name_has_one_meaning():
         if any(isinstance(n, ast.Constant) and n.value == "stdlib-docs" and id(n) not in docstrings
                for n in ast.walk(tree)):
             holders.add(path)
-    assert holders == {"data.py"}
+    assert holders == {"data/embedded.py"}

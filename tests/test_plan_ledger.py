@@ -8,9 +8,9 @@ import pytest
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments, PrivacyLedger, PrivacyPlan
 from hf_dp_repr.errors import DPConfigError
-from hf_dp_repr.plan import plan_run, resume_ledger
 from hf_dp_repr.privacy.ledger import Phase
 from hf_dp_repr.tiny import tiny_vit
+from hf_dp_repr.training.plan import plan_run, resume_ledger
 
 # privacy_ledger.json as the code before the split wrote it (3 of 5 steps of a linear probe then a fine-tune).
 OLD_LEDGER = """{

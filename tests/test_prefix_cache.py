@@ -9,12 +9,12 @@ import torch
 from transformers import TrainerCallback
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
-from utils import make_token_classification_dataset, make_token_dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.feature_store import _FOLDERS, _STORE, clear_feature_cache
 from hf_dp_repr.privacy.probe import PROBE_FORWARDS
+from hf_dp_repr.scope.feature_store import _FOLDERS, _STORE, clear_feature_cache
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_vit
+from utils import make_token_classification_dataset, make_token_dataset
 
 # 3-4 blocks, so that k = 1 and 2 leave a frozen prefix. GPT-2 is a causal LM on right-padded rows (padding mask,
 # labels -100 on padding) with an untied lm_head: a head tied to wte trains the prefix (see the fallback test).

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from opacus.grad_sample import GradSampleHooks
-from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening, TrainerCallback
+from transformers import DataCollatorWithFlattening, TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments, compute_epsilon
 from hf_dp_repr.privacy.optimizer import MicroBatchDPOptimizer
@@ -38,7 +38,8 @@ def test_packed_batches_are_refused_before_training(token_dataset, tmp_path):
 def test_one_row_per_example_check():
     ids = torch.arange(12).view(2, 6)
     check_one_row_per_example({"input_ids": ids, "labels": ids}, 2)
-    left_padded = {"position_ids": torch.tensor([[1, 1, 0, 1, 2, 3]]), "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
+    left_padded = {"position_ids": torch.tensor([[1, 1, 0, 1, 2, 3]]),
+                   "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
     check_one_row_per_example(left_padded, 1)
     with pytest.raises(ValueError, match="`input_ids` has shape \\(1, 12\\) for 2 examples"):
         check_one_row_per_example({"input_ids": ids.view(1, 12)}, 2)

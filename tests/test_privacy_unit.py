@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.model_card import write_model_card
+from hf_dp_repr.hub.card import write_model_card
 from hf_dp_repr.privacy.units import UnitPoissonBatchSampler, describe_unit, sum_per_unit, unit_rows
 from hf_dp_repr.tiny import tiny_vit
 from utils import CaptureUpdate

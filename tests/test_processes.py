@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_dp_repr.config_checks import check_one_run, join_cpu_processes, launched_processes
 from hf_dp_repr.errors import ProcessGroupError
+from hf_dp_repr.training.argument_checks import check_one_run, join_cpu_processes, launched_processes
 from utils import ACCEL_CONFIG, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -41,10 +41,10 @@ def test_a_demo_sized_run_prints_no_noise_but_keeps_warnings_that_ask_for_action
 def test_plan_and_engine_are_info_lines_shown_by_log_level_info_and_no_deprecation_noise(digits, tmp_path, caplog):
     """Routine lines (the DP plan, the clipping engine) are INFO, not WARNING; `log_level="info"` shows them as the
     Trainer shows its own INFO lines; transformers' `is_gradient_checkpointing` FutureWarning is not triggered."""
+    from transformers.utils import logging as hf_logging
+
     from hf_dp_repr import DPTrainer, DPTrainingArguments
     from hf_dp_repr.tiny import tiny_vit
-
-    from transformers.utils import logging as hf_logging
 
     library = logging.getLogger("hf_dp_repr")
     before, hf_before = library.level, hf_logging.get_verbosity()

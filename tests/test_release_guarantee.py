@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.hub import check_pushable, public_metrics
-from hf_dp_repr.model_card import render_model_card
+from hf_dp_repr.hub.card import render_model_card
 from hf_dp_repr.tiny import tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")

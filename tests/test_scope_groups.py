@@ -4,14 +4,14 @@ import re
 
 import pytest
 import torch
-from utils import make_token_classification_dataset, make_token_dataset
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.scope import ScopeError, phase_scopes
-from hf_dp_repr.scope_groups import select_groups
+from hf_dp_repr.scope.groups import select_groups
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
+from utils import make_token_classification_dataset, make_token_dataset
 
 # By hand, from the parameter names of each tiny model (not from the code under test): a regex per named group.
 MODELS = {

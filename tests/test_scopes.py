@@ -3,13 +3,13 @@
 import pytest
 import torch
 from transformers import TrainerCallback
-from utils import StopAt, make_token_classification_dataset, make_token_dataset
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.scope import ScopeError, find_block_stack, select_scope
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
+from utils import StopAt, make_token_classification_dataset, make_token_dataset
 
 # For each model: its constructor, its data, and by hand (not from the code under test) which parameter-name
 # prefixes form the blocks, what follows the blocks, the head, and the embeddings.
@@ -87,7 +87,8 @@ def test_block_stack_is_found_by_structure_and_can_be_overridden():
 
 
 def test_bad_trainable_blocks_name_the_fix(digits, tmp_path):
-    with pytest.raises(ScopeError, match="trainable_blocks=5, but ViTForImageClassification has 4 blocks in vit.layers"):
+    with pytest.raises(ScopeError,
+                       match="trainable_blocks=5, but ViTForImageClassification has 4 blocks in vit.layers"):
         select_scope(tiny_vit(), 5)
     with pytest.raises(ValueError, match="trainable_blocks=-1 must be >= 0"):
         DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, trainable_blocks=-1)

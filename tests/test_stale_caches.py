@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from hf_dp_repr import feature_store
-from hf_dp_repr.feature_store import CACHE_PREFIX, CacheEntry, remove_stale_caches
+from hf_dp_repr.scope import feature_store
+from hf_dp_repr.scope.feature_store import CACHE_PREFIX, CacheEntry, remove_stale_caches
 
 ROOT = Path(__file__).resolve().parents[1]
 KILLED = """
 import os, signal
 import torch
-from hf_dp_repr.feature_store import CacheEntry
+from hf_dp_repr.scope.feature_store import CacheEntry
 entry = CacheEntry.allocate(64, (16,), torch.float32, max_memory_gb=0, max_disk_gb=1)  # over the memory bound: disk
 entry.states[:] = 1.0
 entry.states.flush()
@@ -33,7 +33,7 @@ def test_a_killed_process_leaves_features_that_the_next_process_removes(tmp_path
     folder = Path(killed.stdout.strip())
     assert folder.parent == tmp_path and folder.name.startswith(CACHE_PREFIX)
     assert (folder / "states.npy").stat().st_size == 64 * 16 * 4  # the features are still on disk
-    nxt = subprocess.run([sys.executable, "-c", "import hf_dp_repr.feature_store"], env=env, cwd=ROOT,
+    nxt = subprocess.run([sys.executable, "-c", "import hf_dp_repr.scope.feature_store"], env=env, cwd=ROOT,
                          capture_output=True, text=True, check=True)
     assert not folder.exists()
     assert "left by killed processes" in nxt.stderr and str(folder) in nxt.stderr

@@ -27,7 +27,7 @@ REFUSED_VALUES = {
 
 
 def test_every_trainer_field_has_a_decision():
-    from hf_dp_repr.trainer_fields import FIELDS
+    from hf_dp_repr.training.argument_fields import FIELDS
 
     names = [f.name for f in dataclasses.fields(TrainingArguments)]
     assert sorted(FIELDS) == sorted(names), set(names) ^ set(FIELDS)

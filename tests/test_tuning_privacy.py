@@ -5,8 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from hf_dp_repr.tuning.selection_privacy import (ORDERS, TrialCount, rdp_curve, search_epsilon, selection_rdp,
-                                                 single_run_epsilon)
+from hf_dp_repr.tuning.selection_privacy import (
+    ORDERS,
+    TrialCount,
+    rdp_curve,
+    search_epsilon,
+    selection_rdp,
+    single_run_epsilon,
+)
 
 # A Gaussian mechanism with ε(λ) = ρ λ (ρ = 1/(2σ²)) has an RDP curve known in closed form.
 

@@ -33,7 +33,7 @@ def test_budget_split_sweep_spends_the_target_per_run_and_states_the_composed_co
 
 @pytest.mark.slow
 def test_seed000_sweep_writes_its_report(tmp_path):
-    from hf_dp_repr.tuning.seed000 import run_seed000
+    from hf_dp_repr.scripts.seed000 import run_seed000
 
     space = lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-3, 1e-2, log=True),  # noqa: E731
                        "num_train_epochs": t.suggest_categorical("num_train_epochs", [1])}

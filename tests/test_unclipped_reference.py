@@ -6,10 +6,10 @@ import json
 import logging
 
 import pytest
-from utils import brute_force_update, relative_error, run_one_step
 
 from hf_dp_repr import DPConfigError, DPTrainingArguments
 from hf_dp_repr.tiny import tiny_vit
+from utils import brute_force_update, relative_error, run_one_step
 
 
 def test_unclipped_update_is_the_plain_gradient_and_is_labelled(digits, tmp_path, caplog):

@@ -36,8 +36,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .batches import (LABELLED, TASKS, TEXT, VISION, batch_size_of, detect_task, iter_batches, language_inputs,
-                      to_tensor)
+from .batches import LABELLED, TASKS, TEXT, VISION, batch_size_of, detect_task, iter_batches, language_inputs, to_tensor
 from .law import fuzziness_law, residual_law
 from .report import RepresentationReport
 from .residual import ResidualStats

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hf_dp_repr.data import DIGITS, STDLIB_BLOCKS, STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path
-from hf_dp_repr.model_files import explained_load_errors
+from hf_dp_repr.data.model_files import explained_load_errors
 
 from .batches import LANGUAGE, TEXT, VISION
 from .model_kind import DECODER, ENCODER, ENCODER_DECODER, text_model_kind
@@ -69,7 +69,7 @@ def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]
                              f"{STDLIB_BLOCKS} gives the same text as token blocks, with a byte-level fallback")
         data = pick(load_embedded(embedded), split)
     elif args.dataset.endswith(".npz"):  # the image recipe's arrays (x_train, y_train, x_test, y_test)
-        from hf_dp_repr.image_data import load_npz
+        from hf_dp_repr.data.images import load_npz
 
         data = pick(load_npz(args.dataset, getattr(args, "num_labels", None)), split)
     else:
@@ -115,13 +115,13 @@ def text_task(name: str, model, labelled: bool, dataset: str) -> str:
 def prepare(data, name: str, model, tokenizer, block_size: int, dataset: str, image_options: dict | None = None
             ) -> tuple[Any, str]:
     """Map raw `image` / `text` columns to model inputs; rename `label` to `labels`. Returns (data, task). Images are
-    preprocessed as the image recipe does (`hf_dp_repr.image_data.image_processor_for`, with `image_options`)."""
+    preprocessed as the image recipe does (`hf_dp_repr.data.images.image_processor_for`, with `image_options`)."""
     if "label" in data.column_names and "labels" not in data.column_names:
         data = data.rename_column("label", "labels")
     image_col = next((c for c in ("image", "img") if c in data.column_names), None)
     if "pixel_values" in data.column_names or image_col is not None:
         if image_col is not None and "pixel_values" not in data.column_names:
-            from hf_dp_repr.image_data import image_processor_for
+            from hf_dp_repr.data.images import image_processor_for
 
             processor, how = image_processor_for(resolve_model_path(name), model.config, **(image_options or {}))
             logger.info("%s: image preprocessing: %s", name, how)

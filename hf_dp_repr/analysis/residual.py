@@ -12,7 +12,8 @@ Numerics: float64 throughout. Only the centred cross-products of [x, y] are kept
 Chan et al.'s update), so memory is O((d + q)²). The normal equations are solved on the correlation scale
 (features divided by their standard deviations), dropping eigen-directions below d·eps64 of the largest,
 or whose spread is at the rounding level of the features' dtype: exactly collinear features (LayerNorm
-outputs lie in a hyperplane) and constant ones count once, as in a rank-revealing least-squares solve. PR is therefore unchanged by any invertible affine map of the features.
+outputs lie in a hyperplane) and constant ones count once, as in a rank-revealing least-squares solve. PR is
+therefore unchanged by any invertible affine map of the features.
 
 Example:
     >>> import numpy as np

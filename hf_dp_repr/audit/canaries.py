@@ -100,7 +100,6 @@ def score_guesses(guesses: np.ndarray, included: np.ndarray) -> tuple[int, int]:
 def one_run_audit(losses: np.ndarray, included: np.ndarray, k: int, delta: float, beta: float = 0.05) -> dict:
     """Guess on the canaries from their losses and bound ε: {m, k, guesses, correct, epsilon_lower_bound, ...}."""
     from .bounds import one_run_epsilon_lower_bound
-
     from .mia import roc_metrics
 
     losses, included = np.asarray(losses), np.asarray(included, bool)
@@ -133,8 +132,8 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
     """
     from transformers import Trainer
 
-    from ..config import DPTrainingArguments
-    from ..trainer import DPTrainer
+    from ..training.arguments import DPTrainingArguments
+    from ..training.trainer import DPTrainer
     from .mia import classification_losses
 
     private = isinstance(args, DPTrainingArguments)
@@ -162,7 +161,7 @@ def save_canary_audit(result: dict, output_dir: str) -> str:
     import json
     import os
 
-    from ..model_card import CANARY_AUDIT_FILE, refresh_model_card
+    from ..hub.card import CANARY_AUDIT_FILE, refresh_model_card
 
     keys = ("canaries", "included", "k", "guesses", "correct", "delta", "confidence", "epsilon_lower_bound",
             "claimed_epsilon", "trainer")

@@ -79,7 +79,7 @@ def training_arguments(flags: list[str], run_dir: str):
     """DPTrainingArguments from the flags after `--`, in the temporary `run_dir` (nothing of the run is kept)."""
     from transformers import HfArgumentParser
 
-    from ..config import DPTrainingArguments
+    from ..training.arguments import DPTrainingArguments
 
     flags = flags[1:] if flags[:1] == ["--"] else flags
     if not flags:
@@ -103,8 +103,8 @@ def training_arguments(flags: list[str], run_dir: str):
 
 def _inputs(args: argparse.Namespace, num_labels: int):
     """(training set, image canaries or None), checked."""
-    from .cli import _fingerprints, check_labels, load_audit_dataset
     from .canaries import make_canaries
+    from .inputs import check_labels, fingerprints, load_audit_dataset
 
     train = load_audit_dataset(args.train, "--train")
     check_labels(train, "--train", num_labels)
@@ -120,7 +120,7 @@ def _inputs(args: argparse.Namespace, num_labels: int):
     if args.canaries > len(source):
         _fail(f"--canaries {args.canaries} but --canary-source has {len(source)} rows.")
     check_labels(source, "--canary-source", num_labels)
-    shared = _fingerprints(train) & _fingerprints(source)
+    shared = fingerprints(train) & fingerprints(source)
     if shared:
         _fail(f"{len(shared)} row(s) of --canary-source are also in --train: a canary must be new to training.")
     return train, make_canaries(source, args.canaries, args.kind, num_labels)

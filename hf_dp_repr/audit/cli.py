@@ -33,16 +33,14 @@ Example (in Python; on the command line the same arguments follow `hf-dp-repr au
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..privacy.ledger import LEDGER_FILE
-from .mia import MODEL_INPUTS, calibrated_scores, classification_losses, plot_roc, roc_metrics
+from .inputs import check_labels, fail, fingerprints, load_audit_dataset
+from .mia import calibrated_scores, classification_losses, plot_roc, roc_metrics
 
 REPORT_FILE, PLOT_FILE = "privacy_audit.json", "privacy_audit_roc.png"
 NOT_COVERED = ("Computed on the private training examples (members) outside DP-SGD: NOT covered by the DP "
@@ -70,20 +68,16 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _fail(message: str):
-    raise SystemExit(f"hf-dp-repr audit: {message}")
-
-
 def read_claim(model_dir: str) -> dict:
     """The claimed (ε, δ) of the run in `model_dir`, from its ledger; refuse a folder without one."""
     path = Path(model_dir) / LEDGER_FILE
     if not path.is_file():
-        _fail(f"{model_dir} has no {LEDGER_FILE}: the audit compares the attack with the ε the run claims, so it "
+        fail(f"{model_dir} has no {LEDGER_FILE}: the audit compares the attack with the ε the run claims, so it "
               "needs a run saved by DPTrainer (trainer.save_model()). Nothing written.")
     try:
         ledger = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        _fail(f"{path} is not valid JSON ({err}). Nothing written.")
+        fail(f"{path} is not valid JSON ({err}). Nothing written.")
     eps = ledger.get("epsilon")
     return {"epsilon": math.inf if eps is None else float(eps), "delta": ledger.get("target_delta"),
             "accountant": ledger.get("accountant"), "neighboring": ledger.get("neighboring", "add_remove"),
@@ -124,75 +118,18 @@ def check_members(members, claim: dict) -> None:
             "pass the folder).")
 
 
-def load_audit_dataset(spec: str, flag: str):
-    """`digits:train|test` or `DIR[:split]` (save_to_disk) → a Dataset with `labels`."""
-    import datasets
-
-    if spec.startswith("digits:"):
-        from ..data import load_digits_dataset
-
-        split = spec.split(":", 1)[1]
-        data = load_digits_dataset()
-        if split not in data:
-            _fail(f"{flag} {spec}: digits has splits {sorted(data)}")
-        data = data[split]
-    else:
-        path, _, split = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
-        if not Path(path).exists():
-            _fail(f"{flag} {spec}: no such directory (give a save_to_disk folder, DIR:split, or digits:train|test)")
-        try:
-            data = datasets.load_from_disk(path)
-        except IndexError:  # datasets cannot load a folder saved from an empty Dataset
-            _fail(f"{flag} {spec} is empty (datasets cannot even load it). Nothing written.")
-        if isinstance(data, datasets.DatasetDict):
-            if split not in data:
-                _fail(f"{flag} {spec}: a DatasetDict; name a split as {path}:SPLIT, one of {sorted(data)}")
-            data = data[split]
-    if "label" in data.column_names and "labels" not in data.column_names:
-        data = data.rename_column("label", "labels")
-    if len(data) == 0:
-        _fail(f"{flag} {spec} is empty. Nothing written.")
-    if "labels" not in data.column_names or not any(c in data.column_names for c in MODEL_INPUTS[:2]):
-        _fail(f"{flag} {spec}: needs a `labels` (or `label`) column and `pixel_values` or `input_ids`; has "
-              f"{data.column_names}")
-    return data
-
-
-def _fingerprints(data) -> set[str]:
-    """A hash of each example's inputs (labels left out: a relabelled copy is still the same example)."""
-    cols = [c for c in MODEL_INPUTS if c in data.column_names]
-    rows = data.with_format("numpy")
-    out = set()
-    for start in range(0, len(rows), 512):
-        batch = rows[start:start + 512]
-        for i in range(len(batch["labels"])):
-            h = hashlib.sha256()
-            for c in cols:
-                h.update(np.ascontiguousarray(np.asarray(batch[c][i])).tobytes())
-            out.add(h.hexdigest())
-    return out
-
-
-def check_labels(data, flag: str, num_labels: int) -> None:
-    """Refuse labels outside the model's 0..num_labels-1."""
-    labels = np.asarray(data.with_format("numpy")[:]["labels"])
-    if labels.min() < 0 or labels.max() >= num_labels:
-        _fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}. "
-              "Nothing written.")
-
-
 def check_sets(members, non_members, num_labels: int) -> None:
     """Refuse overlapping sets and label spaces that differ between the sets or from the model's."""
     names = [getattr(d.features.get("labels"), "names", None) for d in (members, non_members)]
     if names[0] and names[1] and names[0] != names[1]:
-        _fail(f"members and non-members have different label spaces ({names[0]} vs {names[1]}). Nothing written.")
+        fail(f"members and non-members have different label spaces ({names[0]} vs {names[1]}). Nothing written.")
     for flag, data, declared in (("--members", members, names[0]), ("--non-members", non_members, names[1])):
         if declared and len(declared) != num_labels:
-            _fail(f"{flag} declares {len(declared)} classes but the model has {num_labels} labels. Nothing written.")
+            fail(f"{flag} declares {len(declared)} classes but the model has {num_labels} labels. Nothing written.")
         check_labels(data, flag, num_labels)
-    shared = _fingerprints(members) & _fingerprints(non_members)
+    shared = fingerprints(members) & fingerprints(non_members)
     if shared:
-        _fail(f"{len(shared)} example(s) are both members and non-members; the sets must be disjoint. Nothing written.")
+        fail(f"{len(shared)} example(s) are both members and non-members; the sets must be disjoint. Nothing written.")
 
 
 def run_audit(args: argparse.Namespace) -> int:
@@ -200,14 +137,14 @@ def run_audit(args: argparse.Namespace) -> int:
 
     missing = [f for f in ("model", "members", "non_members") if getattr(args, f) is None]
     if missing:
-        _fail(f"{', '.join('--' + f.replace('_', '-') for f in missing)} required (membership inference), or "
+        fail(f"{', '.join('--' + f.replace('_', '-') for f in missing)} required (membership inference), or "
               "`hf-dp-repr audit canaries ...` for the canary audit. Nothing written.")
     claim = read_claim(args.model)
     members = load_audit_dataset(args.members, "--members")
     try:
         check_members(members, claim)
     except AuditDataError as err:
-        _fail(f"{err} Nothing written.")
+        fail(f"{err} Nothing written.")
     non_members = load_audit_dataset(args.non_members, "--non-members")
     from ..analysis.inputs import load_model
 
@@ -218,7 +155,7 @@ def run_audit(args: argparse.Namespace) -> int:
     for path in args.reference_model:
         ref, _ = load_model(path, "cpu")
         if int(ref.config.num_labels) != num_labels:
-            _fail(f"--reference-model {path} has {ref.config.num_labels} labels, the model {num_labels}. "
+            fail(f"--reference-model {path} has {ref.config.num_labels} labels, the model {num_labels}. "
                   "Nothing written.")
         references.append(ref)
 

@@ -34,7 +34,7 @@ from datasets import Dataset, concatenate_datasets
 from torch import nn
 from transformers import TrainerCallback
 
-from ..trainer import DPTrainer
+from ..training.trainer import DPTrainer
 from .canaries import check_add_remove, draw_inclusion, one_run_audit
 
 CANARY_COLUMN = "dirac_canary"  # canary index of a row, -1 for the data's own rows

@@ -3,7 +3,8 @@
 Every ε reported by this library comes from `compute_epsilon`, i.e. from a real accountant run on the history of
 (σ, sample rate, steps) that was actually executed: dp_accounting's `pld` (privacy loss distributions, the default
 and the only one here that also does replace-one neighbours) or Opacus' `prv` or `rdp`. Opacus' `gdp` is refused:
-its central-limit approximation is not an upper bound and under-reports ε for DP-SGD.
+its central-limit approximation is not an upper bound and under-reports ε for DP-SGD. A target ε below what an
+accountant can certify at all (its floor, `epsilon_floor`) is refused with the numbers (`too_low_message`).
 
 The neighbouring relation says what ε protects: `replace_one` (datasets of the same size n that differ in one
 example: the relation that holds when n is published, as the ledger and the model card do, and DPTrainer's default)
@@ -11,11 +12,13 @@ or `add_remove` (Opacus' setting: one example added or removed, so n itself, and
 that reveal it, must stay secret; ε is smaller).
 
 Example:
-    >>> from hf_dp_repr.privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+    >>> from hf_dp_repr.privacy.accounting import calibrate_noise_multiplier, compute_epsilon, epsilon_floor
     >>> sigma = calibrate_noise_multiplier(target_epsilon=8.0, target_delta=1e-5, sample_rate=0.01, steps=1000)
     >>> eps = compute_epsilon([(sigma, 0.01, 1000)], delta=1e-5)  # Opacus' PRV accountant, add/remove neighbours
     >>> 7.99 <= eps <= 8.0
     True
+    >>> round(epsilon_floor(delta=1e-5, sample_rate=0.01, steps=1000, accountant="prv"), 5)  # PRV's resolution
+    0.00999
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import warnings
 
 import numpy as np
 from opacus.accountants import create_accountant
+from opacus.accountants.utils import MAX_SIGMA
 
-from ..errors import OutOfReachError  # noqa: F401  (importable from here as before)
+from .._moved import moved_attribute
+from ..errors import OutOfReachError
 from ..quiet import RDP_LARGEST_ALPHA
 
 # Calibrated σ spends between (1 - tolerance)·ε and ε: tight enough that "exactly the target" holds to 0.1 %.
@@ -63,7 +68,7 @@ def compute_epsilon(history: History, delta: float, accountant: str = "prv",
                     neighboring: str = "add_remove") -> float:
     """ε spent by a history of DP-SGD phases [(σ, q, steps), ...]; ∞ if any phase had σ = 0."""
     check_accountant(accountant, neighboring)
-    steps = _merge([(float(s), float(q), int(t)) for s, q, t in history if t > 0])
+    steps = merge_history([(float(s), float(q), int(t)) for s, q, t in history if t > 0])
     if not steps:
         return 0.0
     if any(s == 0 for s, _, _ in steps):
@@ -109,8 +114,6 @@ def calibrate_noise_multiplier(
         return calibrate_last_phase(target_epsilon, target_delta, [], sample_rate, steps, accountant,
                                     neighboring=neighboring)
     except OutOfReachError:
-        from .budget_floor import too_low_message
-
         raise ValueError(too_low_message(target_epsilon, target_delta, sample_rate, steps, accountant,
                                          neighboring)) from None
 
@@ -156,7 +159,7 @@ def _full_batch(history: History):
     return np.errstate(divide="ignore") if any(q == 1 for _, q, _ in history) else contextlib.nullcontext()
 
 
-def _merge(history: History) -> History:
+def merge_history(history: History) -> History:
     """Merge consecutive entries with the same (σ, q), as Opacus' accountants do when stepping."""
     out: History = []
     for s, q, t in history:
@@ -167,10 +170,44 @@ def _merge(history: History) -> History:
     return out
 
 
-def __getattr__(name: str):
-    # The plan and ledger classes moved to ledger.py (which imports this module); still importable from here.
-    if name in ("LEDGER_FILE", "Phase", "PrivacyLedger", "PrivacyPlan"):
-        from . import ledger
+# ---- why a target ε is out of reach, in numbers -------------------------------------------------------------
+# Opacus' accountants cannot certify an ε below their own floor (what they report for σ → ∞, i.e. pure noise), and
+# their calibration then only says "The privacy budget is too low."
 
-        return getattr(ledger, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def epsilon_floor(delta: float, sample_rate: float, steps: int, accountant: str,
+                  neighboring: str = "add_remove") -> float:
+    """The smallest ε `accountant` reports for `steps` steps at `sample_rate`: its value at Opacus' largest σ."""
+    return compute_epsilon([(MAX_SIGMA, sample_rate, steps)], delta, accountant, neighboring)
+
+
+def too_low_message(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str,
+                    neighboring: str = "add_remove") -> str:
+    """What the accountant can certify for this schedule, and what σ a reachable target would take."""
+    floor = epsilon_floor(delta, sample_rate, steps, accountant, neighboring)
+    reachable = _round_up(2 * floor)
+    sigma = calibrate_noise_multiplier(reachable, delta, sample_rate, steps, accountant, neighboring)
+    lines = [
+        f"target_epsilon={target_epsilon:g} (δ={delta:g}) is below what the '{accountant}' accountant can certify "
+        f"for {steps} steps at sample rate q={sample_rate:.4g}: even with σ → ∞ (pure noise) it reports "
+        f"ε = {floor:.4g}, its resolution limit; fewer steps or a smaller q lower the σ needed, not this floor.",
+        f"Reachable: target_epsilon={reachable:g} takes σ = {sigma:.4g}.",
+    ]
+    for other in ACCOUNTANTS if neighboring == "add_remove" else ():  # replace-one: only 'pld' computes it
+        if other != accountant:
+            other_floor = epsilon_floor(delta, sample_rate, steps, other)
+            verdict = "certifies" if other_floor < target_epsilon else "cannot certify"
+            lines.append(f"accountant='{other}' {verdict} it (its floor here: ε = {other_floor:.4g}).")
+    return " ".join(lines)
+
+
+def _round_up(x: float) -> float:
+    """`x` rounded up to two significant digits (a target a person would type)."""
+    scale = 10 ** (math.floor(math.log10(x)) - 1)
+    return math.ceil(x / scale) * scale
+
+
+def __getattr__(name: str):
+    # PrivacyPlan, PrivacyLedger, Phase and LEDGER_FILE live in ledger.py (which imports this module): still
+    # importable from here, with a DeprecationWarning.
+    return moved_attribute(__name__, name)

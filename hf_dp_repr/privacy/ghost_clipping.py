@@ -51,7 +51,6 @@ from transformers.pytorch_utils import Conv1D
 
 from .grad_samplers import opt_position_ids
 
-
 FACTORED = (nn.Linear, Conv1D, nn.Embedding, nn.Conv2d)
 
 

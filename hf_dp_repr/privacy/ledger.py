@@ -27,7 +27,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from ..errors import PrivacyBudgetExhaustedError
-from .accounting import History, _merge, compute_epsilon
+from .accounting import History, compute_epsilon, merge_history
 
 LEDGER_FILE = "privacy_ledger.json"
 # Keys of the ledger file computed from the plan and the position; read back only to be checked.
@@ -48,7 +48,7 @@ class Phase:
 @dataclass(frozen=True)
 class PrivacyPlan:
     """What a DP run will do, fixed before its first step (see the module docstring); compared field by field with
-    a checkpoint's plan on resume (`hf_dp_repr.plan.RESUME_INVARIANTS`).
+    a checkpoint's plan on resume (`hf_dp_repr.training.plan.RESUME_INVARIANTS`).
 
     `neighboring` is the relation ε is stated for; `randomness` says where the noise and the batches come from:
     "os-entropy" (a secret no one holds) or "seeded" (`noise_seed`: reproducible, and NOT private).
@@ -96,7 +96,7 @@ class PrivacyPlan:
         for p in self.phases:
             out.append((p.noise_multiplier, p.sample_rate, min(left, p.steps)))
             left -= out[-1][2]
-        return _merge([h for h in out if h[2] > 0])
+        return merge_history([h for h in out if h[2] > 0])
 
     def epsilon(self, steps: int | None = None) -> float:
         """ε of the first `steps` steps (default: the whole plan), by the plan's accountant."""
@@ -159,7 +159,7 @@ class PrivacyLedger:
         """The accountant's history [(σ, q, steps), ...] of the steps taken (and of those computed again)."""
         phases = self.plan.phases
         again = [(phases[i].noise_multiplier, phases[i].sample_rate, 1) for i in self._recomputed_phases()]
-        return _merge(self.plan.history(self.steps_done) + again)
+        return merge_history(self.plan.history(self.steps_done) + again)
 
     def _recomputed_phases(self) -> list[int]:
         """The phase index of every step computed again."""

@@ -31,7 +31,8 @@ def check_model_is_privatizable(model: nn.Module) -> None:
             continue
         validator = ModuleValidator.VALIDATORS.get(type(module))
         for err in validator(module) if validator else []:
-            problems.append(f"{path} ({type(module).__name__}): {err}. Fix: `opacus.validators.ModuleValidator.fix(model)`.")
+            problems.append(f"{path} ({type(module).__name__}): {err}. Fix: "
+                            "`opacus.validators.ModuleValidator.fix(model)`.")
         if isinstance(module, ViTEmbeddings) and module.dropout.p > 0:
             problems.append(
                 f"{path} (ViTEmbeddings): embedding dropout p={module.dropout.p} makes per-sample gradients of "
@@ -59,7 +60,8 @@ def check_train_dataset(dataset, target_delta: float, count_units: Callable[[], 
     n = len(dataset) if num_units is None else num_units
     if target_delta >= 1 / n:
         warnings.warn(
-            f"DPTrainer: target_delta={target_delta:g} is >= 1/n for n={n} training {'examples' if num_units is None else 'units'}; such a δ allows "
+            f"DPTrainer: target_delta={target_delta:g} is >= 1/n for n={n} training "
+            f"{'examples' if num_units is None else 'units'}; such a δ allows "
             f"releasing a few {'examples' if num_units is None else 'units'} outright. Use δ < 1/n, e.g. "
             f"{1 / (10 * n):.1e}.",
             stacklevel=3,

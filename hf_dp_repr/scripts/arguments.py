@@ -119,7 +119,8 @@ def yaml_to_argv(path: str) -> list[str]:
     with open(path) as f:
         values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a mapping of argument names to values, got {type(values).__name__}")
+        raise ValueError(f"--config {path}: expected a mapping of argument names to values, got "
+                         f"{type(values).__name__}")
     argv: list[str] = []
     for key, value in values.items():
         if value is None:

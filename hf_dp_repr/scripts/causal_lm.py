@@ -37,17 +37,22 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.config import check_privacy_unit
-from hf_dp_repr.data import (DOCUMENT_ID, STDLIB_PARAGRAPHS, document_blocks, embedded_name, load_embedded,
-                             unique_documents)
-from hf_dp_repr.model_card import ModelCardInfo
-from hf_dp_repr.model_files import explained_load_errors
+from hf_dp_repr.data import (
+    DOCUMENT_ID,
+    STDLIB_PARAGRAPHS,
+    document_blocks,
+    embedded_name,
+    load_embedded,
+    unique_documents,
+)
+from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
-from hf_dp_repr.scripts.arguments import (AnalysisArguments, PublicPretrainingArguments,
-                                        ScriptArguments)
+from hf_dp_repr.scripts.arguments import AnalysisArguments, PublicPretrainingArguments, ScriptArguments
+from hf_dp_repr.training.arguments import DPTrainingArguments, check_privacy_unit
+from hf_dp_repr.training.trainer import DPTrainer
 
 logger = logging.getLogger("hf_dp_repr.recipes.lm")
 
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{margs.dataset_name}; " + ("one document (all its blocks) is one unit of privacy"
                                                    if by_document else "one block is one unit of privacy")),
         public_data=(f"{len(public_docs)} other documents of the same split (disjoint), used for non-private "
-                     f"pre-training{' and to train the tokenizer' if getattr(tokenizer, '_trained_here', False) else ''}"
+                     "pre-training" + (" and to train the tokenizer" if getattr(tokenizer, "_trained_here", False)
+                                       else "")
                      if public_docs is not None else f"the pre-trained weights and tokenizer of {name}"),
         analysis_data=f"{len(blocks['eval'])} blocks of the '{margs.eval_split}' split (not trained on)",
     )
@@ -175,7 +181,6 @@ def _sample(trainer, margs: LMArguments) -> dict:
 def load_documents(margs: LMArguments):
     """{"train", "eval"} datasets with one document per row in `text`, each distinct text once across both (see
     `unique_documents`): the public / private split of "train" is then disjoint by content, not only by row."""
-    import datasets
 
     if embedded_name(margs.dataset_name) == STDLIB_PARAGRAPHS:
         paragraphs = load_embedded(STDLIB_PARAGRAPHS)  # deduplicated across its splits already

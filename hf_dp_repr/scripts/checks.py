@@ -26,9 +26,9 @@ def check_before_work(model, train, training_args):
     and the privacy plan (`plan_run`: logical batch ≤ n, σ calibrated for the target ε) on the `train` (private) set.
 
     Returns the plan (a frozen `PrivacyPlan`). Writes nothing."""
-    from hf_dp_repr.plan import plan_run
     from hf_dp_repr.privacy.validation import check_model_is_privatizable
-    from hf_dp_repr.scope import phase_scopes
+    from hf_dp_repr.scope.phases import phase_scopes
+    from hf_dp_repr.training.plan import plan_run
 
     args = training_args
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
@@ -74,8 +74,8 @@ def class_names(train, label_col: str, num_labels: int | None = None, model_id2l
     flag = "--num_labels"
     if names:
         if num_labels is not None and num_labels != len(names):
-            raise RecipeArgumentError(f"{flag} {num_labels}, but the dataset's ClassLabel column {label_col!r} declares "
-                                      f"{len(names)} classes; drop {flag}.")
+            raise RecipeArgumentError(f"{flag} {num_labels}, but the dataset's ClassLabel column {label_col!r} "
+                                      f"declares {len(names)} classes; drop {flag}.")
         id2label = dict(enumerate(names))
     elif num_labels is not None:
         if num_labels < 2:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -42,8 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     torch.set_num_threads(opts.threads)
-    from hf_dp_repr.scripts import image_classification as recipe
     from transformers.utils import logging as hf_logging
+
+    from hf_dp_repr.scripts import image_classification as recipe
 
     hf_logging.set_verbosity_warning()
     hf_logging.disable_progress_bar()

@@ -36,16 +36,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import DIGITS, load_embedded
-from hf_dp_repr.image_data import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
-from hf_dp_repr.model_card import ModelCardInfo
-from hf_dp_repr.model_files import explained_load_errors
+from hf_dp_repr.data.images import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
+from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
-from hf_dp_repr.scripts.arguments import (AnalysisArguments, ClassificationArguments,
-                                        PublicPretrainingArguments)
+from hf_dp_repr.scripts.arguments import AnalysisArguments, ClassificationArguments, PublicPretrainingArguments
+from hf_dp_repr.training.arguments import DPTrainingArguments
+from hf_dp_repr.training.trainer import DPTrainer
 
 logger = logging.getLogger("hf_dp_repr.recipes.image")
 
@@ -62,7 +62,7 @@ class ImageArguments(AnalysisArguments, PublicPretrainingArguments, Classificati
     image_column: str | None = field(default=None, metadata={
         "help": "Image column (default: the first of pixel_values, image, img)."})
     max_train_samples_per_class: int | None = field(default=None, metadata={
-        "help": "Keep this many training images per class, chosen with --seed by the rule of hf_dp_repr.image_data "
+        "help": "Keep this many training images per class, chosen with --seed by the rule of hf_dp_repr.data.images "
                 "(per class, ascending: numpy default_rng(seed).permutation of its rows, the first N)."})
     train_indices_file: str | None = field(default=None, metadata={
         "help": "Train on exactly these rows of the training split: a file of row numbers, one per line (# comments), "

@@ -18,10 +18,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.data import DOCUMENT_ID, document_blocks
 from hf_dp_repr.scripts import causal_lm as lm
 from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.training.arguments import DPTrainingArguments
+from hf_dp_repr.training.trainer import DPTrainer
 
 
 @dataclass

@@ -20,10 +20,9 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dp_repr import tiny
 from hf_dp_repr.entry_point import one_thread_for_tiny_model
-from hf_dp_repr.output_dir import check_writable
 from hf_dp_repr.scripts import report as recipe_report
-from hf_dp_repr.scripts.arguments import (  # noqa: F401  (the parser's old home)
-    expand_argv, given_options, parse_args, yaml_to_argv)
+from hf_dp_repr.scripts.arguments import expand_argv, given_options, parse_args, yaml_to_argv  # noqa: F401  (the parser's old home)
+from hf_dp_repr.training.output_dir import check_writable
 
 logger = logging.getLogger("hf_dp_repr.recipes")
 HERE = Path(__file__).resolve().parent
@@ -166,7 +165,7 @@ def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_m
         info = {"model_args": asdict(model_args) if is_dataclass(model_args) else model_args, "metrics": metrics}
         Path(trainer.args.output_dir, RUN_INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
     if push:
-        from hf_dp_repr.hub import push_dp_model
+        from hf_dp_repr.hub.push import push_dp_model
 
         push_dp_model(trainer)
     if trainer.is_world_process_zero():
@@ -192,7 +191,7 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     if is_tiny(getattr(margs, "model_name_or_path", "") or ""):
         one_thread_for_tiny_model()
     if targs.push_to_hub:  # login and write access now, not after training
-        from hf_dp_repr.hub import check_hub_access
+        from hf_dp_repr.hub.push import check_hub_access
 
         targs.hub_model_id = check_hub_access(targs.hub_model_id or Path(targs.output_dir).resolve().name)
     set_seed(targs.seed)
@@ -204,8 +203,8 @@ def resume_point(training_args, overwrite: bool) -> str | None:
     """The checkpoint a recipe resumes from, decided before any work as Hugging Face's example scripts do:
     --resume_from_checkpoint if given; else, in an --output_dir that holds checkpoints, the last complete one, unless
     --overwrite_output_dir; refused if none is complete."""
-    from hf_dp_repr.output_dir import checkpoints, last_complete_checkpoint
     from hf_dp_repr.scripts.checks import RecipeArgumentError
+    from hf_dp_repr.training.output_dir import checkpoints, last_complete_checkpoint
 
     out = training_args.output_dir
     if training_args.resume_from_checkpoint or overwrite or not checkpoints(out):
@@ -223,8 +222,8 @@ def resume_point(training_args, overwrite: bool) -> str | None:
 def train(trainer, overwrite: bool = False):
     """`trainer.train()`, resuming from the checkpoint `start_run` chose; with --overwrite_output_dir the earlier
     run's checkpoints (and its record of privacy spent) are deleted first, now that every check has passed."""
-    from hf_dp_repr.output_dir import STAGING_DIR, checkpoints
-    from hf_dp_repr.resume import SPENT_FILE
+    from hf_dp_repr.training.output_dir import STAGING_DIR, checkpoints
+    from hf_dp_repr.training.resume import SPENT_FILE
 
     out = trainer.args.output_dir
     if overwrite and trainer.args.should_save:

@@ -58,7 +58,7 @@ def sweep_budget_split(model_init, base_args, train_dataset, eval_dataset, fract
     `include_single_sigma`) is one σ for both phases, calibrated on their composition."""
     from tqdm.auto import tqdm
 
-    from ..trainer import DPTrainer
+    from ..training.trainer import DPTrainer
 
     grid = [(s, f) for s in lp_steps for f in ([None] if include_single_sigma else []) + list(fractions)]
     rows, history = [], []

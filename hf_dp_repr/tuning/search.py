@@ -9,8 +9,9 @@ Two modes (`tuning_data`):
 - "public" (default) or "held_out": the trials train on data that is NOT the private training set the final model
   protects (public data, or individuals held out from it). The search spends none of the final run's budget;
   nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row. It is
-  checked by dataset fingerprint (`tuning_data.py`): such a search on the training set of an earlier DP run of the
-  process, or a DP run of the same trainer on the data its search tuned on, is refused (`TuningDataError`).
+  checked by dataset fingerprint (`hf_dp_repr.training.tuning_data`): such a search on the training set of an
+  earlier DP run of the process, or a DP run of the same trainer on the data its search tuned on, is refused
+  (`TuningDataError`).
 - "private": the trials train on the private data, and the search is accounted with Papernot & Steinke (2022,
   `selection_privacy`): the number of trials K is drawn from `trial_count` with OS-entropy randomness (never from
   `args.seed`); hyperparameters are drawn independently of the data (Optuna's RandomSampler on a secret seed: an
@@ -41,9 +42,9 @@ import secrets
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
 from transformers.utils import logging
 
-from ..plan import plan_run
+from ..training.plan import plan_run
+from ..training.tuning_data import check_search_data
 from .selection_privacy import TrialCount, rdp_curve, search_epsilon, single_run_epsilon
-from .tuning_data import check_search_data
 
 logger = logging.get_logger(__name__)
 
@@ -100,7 +101,7 @@ class DPSearch:
     def space(self, trial) -> dict:
         """Called by the Trainer's `_hp_search_setup`: sets the trial's arguments itself (the Trainer would cast
         0.3 to int for an argument whose current value is 0) and returns nothing left to set."""
-        from ..config import _validate_dp_fields
+        from ..training.arguments import validate_dp_fields
 
         params = dict(self.user_space(trial))
         bad = sorted(set(params) & set(FORBIDDEN_KEYS))
@@ -118,7 +119,7 @@ class DPSearch:
                              f"fields (nor '{SCOPE_KEY}').")
         for key, value in params.items():
             setattr(args, key, value)
-        _validate_dp_fields(args)
+        validate_dp_fields(args)
         if self.tuning_data == "private":
             self._note_schedule_choices(trial, params)
         self.records.append({"trial": trial.number, "_set": list(params), "params": params})
@@ -204,7 +205,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
     units = trainer._read_units(trainer.train_dataset, args)  # with a privacy_unit, the bound counts units
     n = len(trainer.train_dataset) if units is None else units
     if hp_space is None:
-        from ..scope import find_block_stack
+        from ..scope.blocks import find_block_stack
 
         depth = len(find_block_stack(trainer.call_model_init())[1])
         hp_space = lambda trial: default_dp_hp_space(trial, depth, n)  # noqa: E731
@@ -233,7 +234,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
     trainer.hp_search_backend = HPSearchBackend.OPTUNA
     trainer.hp_space, trainer.hp_name = search.space, hp_name
     trainer.compute_objective = compute_objective or default_compute_objective
-    trainer._dp_search = search
+    trainer.run_hooks = [*trainer.run_hooks, search.record_run]  # a new list: `before` keeps the old one
     best = {"value": None, "record": None}
     sign = 1 if direction == "maximize" else -1
 

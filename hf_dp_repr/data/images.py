@@ -1,0 +1,181 @@
+"""Image inputs shared by the image recipe and `hf-dp-repr analyze`: `.npz` arrays, the training subset (an explicit
+index file, or N per class by a documented seeded rule), and the preprocessing (the model's image processor, one
+named with `--image_processor`, or the model family's known defaults), applied once with `Dataset.map`.
+
+The subset rule of `per_class_indices(labels, n, seed)`: for each class c in increasing order, the rows of class c
+in increasing order are permuted with `numpy.random.default_rng(seed).permutation` (one generator, drawn class
+after class) and the first n are kept; the union is returned sorted. An index file lists row numbers of the
+training split, one per line (`#` starts a comment), e.g. `recipes/configs/cifar10_partial_100_per_class.txt`.
+
+Preprocessing is deterministic (resize, rescale to [0, 1], normalise with mean/std), so it runs once, as a `map`:
+the linear probe can then cache the backbone's features (a transform would disable that: it may be augmentation).
+
+    >>> import numpy as np
+    >>> per_class_indices(np.array([0, 1, 0, 1, 0, 1]), 2, seed=0).tolist()
+    [0, 3, 4, 5]
+    >>> from transformers import Dinov2Config
+    >>> proc, how = image_processor_for("my/dinov2-folder", Dinov2Config(), pretrained=False)
+    >>> proc.size["height"], [round(m, 3) for m in proc.image_mean], "DINOv2" in how
+    (224, [0.485, 0.456, 0.406], True)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from ..errors import DPConfigError
+
+logger = logging.getLogger(__name__)
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+HALF = (0.5, 0.5, 0.5)
+# model_type → (mean, std, size, name): what the family was pre-trained with (size None: the config's image_size).
+# DINOv2's own processor resizes to 256 and centre-crops 224; for small images (CIFAR's 32 px) we resize to 224.
+FAMILY_DEFAULTS = {
+    "dinov2": (IMAGENET_MEAN, IMAGENET_STD, 224, "DINOv2"),
+    "dinov2_with_registers": (IMAGENET_MEAN, IMAGENET_STD, 224, "DINOv2"),
+    "deit": (IMAGENET_MEAN, IMAGENET_STD, None, "DeiT"),
+    "vit": (HALF, HALF, None, "ViT (google/vit-*)"),
+}
+
+
+# ---- arrays and subsets ---------------------------------------------------------------------------------------
+def load_npz(path: str, num_labels: int | None = None):
+    """A DatasetDict (train, test) from a .npz of uint8 images (N, H, W, C) and int labels: x_train, y_train, x_test,
+    y_test (e.g. CIFAR arrays), and optionally class_names. The classes are declared (class_names, or
+    `num_labels`), never read off the labels."""
+    import datasets
+
+    arrays = np.load(path)
+    missing = {"x_train", "y_train", "x_test", "y_test"} - set(arrays.files)
+    if missing:
+        raise DPConfigError(f"{path}: a .npz needs x_train, y_train, x_test, y_test; missing {sorted(missing)}")
+    names = [str(n) for n in arrays["class_names"]] if "class_names" in arrays.files else None
+    if names is None and num_labels is None:
+        raise DPConfigError(f"{path}: the .npz declares no class_names; pass --num_labels N (labels 0..N-1), e.g. "
+                            "--num_labels 10 for CIFAR-10.")
+    if names is not None and num_labels is not None and num_labels != len(names):
+        raise DPConfigError(f"--num_labels {num_labels}, but {path} declares {len(names)} class_names; drop "
+                            "--num_labels.")
+    n_classes = len(names) if names is not None else num_labels
+    for key in ("y_train", "y_test"):
+        y = arrays[key]
+        if y.size and (y.min() < 0 or y.max() >= n_classes):
+            raise DPConfigError(f"{path}: {key} holds labels outside 0..{n_classes - 1} (the declared classes); fix "
+                                "the arrays or --num_labels.")
+    label = datasets.ClassLabel(names=names) if names is not None else datasets.ClassLabel(num_classes=n_classes)
+    features = datasets.Features({"img": datasets.Image(), "label": label})
+
+    def split(x, y):
+        return datasets.Dataset.from_dict({"img": list(x), "label": [int(v) for v in y]}, features=features)
+
+    return datasets.DatasetDict(train=split(arrays["x_train"], arrays["y_train"]),
+                                test=split(arrays["x_test"], arrays["y_test"]))
+
+
+def per_class_indices(labels, n: int, seed: int) -> np.ndarray:
+    """Rows kept by `--max_train_samples_per_class n` with `--seed seed` (the rule in this module's docstring)."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    keep = [rng.permutation(np.flatnonzero(labels == c))[:n] for c in np.unique(labels)]
+    return np.sort(np.concatenate(keep))
+
+
+def read_index_file(path: str | os.PathLike, num_rows: int) -> list[int]:
+    """The row numbers listed in `path` (one per line, `#` comments), checked: in range, no repeats."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                rows.append(int(line))
+    bad = [i for i in rows if not 0 <= i < num_rows]
+    if bad:
+        raise DPConfigError(f"--train_indices_file {path}: rows {bad[:5]} are outside the training split (0.."
+                            f"{num_rows - 1}).")
+    if len(set(rows)) != len(rows):
+        raise DPConfigError(f"--train_indices_file {path}: rows repeat; an example listed twice would be one unit "
+                            "of privacy counted twice.")
+    return rows
+
+
+def write_index_file(path: str | os.PathLike, rows, header: str) -> None:
+    """Write `rows` (one per line) under a `# header` comment: the file `read_index_file` reads."""
+    lines = [f"# {h}" for h in header.splitlines()] + [str(int(i)) for i in rows]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+# ---- preprocessing ------------------------------------------------------------------------------------------------
+def image_processor_for(name_or_path: str, config, *, pretrained: bool = True, image_processor: str | None = None,
+                        image_size: int | None = None, image_mean=None, image_std=None):
+    """(image processor, one line saying what it does and where that came from).
+
+    In order: `image_processor` (a Hub name or folder) if given; else the model's own (`pretrained`: try
+    `AutoImageProcessor.from_pretrained(name_or_path)`); else the family's known defaults (`FAMILY_DEFAULTS`, by
+    `config.model_type`); else mean = std = 0.5 with a warning asking for `--image_mean/--image_std`.
+    `image_size`, `image_mean`, `image_std` override whatever was found."""
+    from transformers import AutoImageProcessor
+
+    processor, source = None, None
+    if image_processor or pretrained:
+        try:
+            processor = AutoImageProcessor.from_pretrained(image_processor or name_or_path)
+            source = f"the image processor of {image_processor or name_or_path}"
+        except OSError:
+            if image_processor:
+                raise DPConfigError(f"--image_processor {image_processor}: no image processor there "
+                                    "(preprocessor_config.json).") from None
+    if processor is None:
+        mean, std, size, family = FAMILY_DEFAULTS.get(getattr(config, "model_type", None), (None, None, None, None))
+        size = size or getattr(config, "image_size", None) or 224
+        if family:
+            source = f"the {family} family's defaults (no image processor with the model)"
+        elif image_mean is None or image_std is None:
+            logger.warning("no image processor with %s and no known defaults for model_type %r: normalising with "
+                           "mean = std = 0.5. Pass --image_mean/--image_std (or --image_processor) with the values "
+                           "the model was pre-trained with.", name_or_path, getattr(config, "model_type", None))
+            source = "mean = std = 0.5 (unknown family)"
+        processor = _resize_normalize(size, mean or HALF, std or HALF)
+    if image_size or image_mean is not None or image_std is not None:  # resize + normalise with what was given
+        size = image_size or processor.size.get("height") or processor.size.get("shortest_edge")
+        processor = _resize_normalize(size, processor.image_mean if image_mean is None else image_mean,
+                                      processor.image_std if image_std is None else image_std)
+        source += ", with --image_size/--image_mean/--image_std applied"
+    return processor, f"{describe(processor)}, from {source}"
+
+
+def _resize_normalize(size: int, mean, std):
+    """Resize to size × size, rescale to [0, 1], normalise: the PIL backend when torchvision is missing (transformers
+    would otherwise warn that it falls back to it)."""
+    import importlib.util
+
+    import transformers
+
+    cls = (transformers.ViTImageProcessor if importlib.util.find_spec("torchvision")
+           else transformers.ViTImageProcessorPil)
+    return cls(size={"height": int(size), "width": int(size)}, image_mean=list(mean), image_std=list(std),
+               do_resize=True, do_rescale=True, do_normalize=True)
+
+
+def describe(processor) -> str:
+    size = processor.size
+    px = f"{size['height']}×{size['width']}" if "height" in size else f"shortest edge {size.get('shortest_edge')}"
+    fmt = lambda v: "(" + ", ".join(f"{x:.3g}" for x in v) + ")"  # noqa: E731
+    return f"resize to {px} px, mean {fmt(processor.image_mean)}, std {fmt(processor.image_std)}"
+
+
+def to_pixel_values(dataset, image_col: str, processor, num_channels: int = 3, desc: str = "preprocessing images"):
+    """`dataset` with `image_col` replaced by `pixel_values` (float32), computed once with `map` (cached by
+    `datasets` when the dataset has cache files), in torch format."""
+    mode = "RGB" if num_channels == 3 else "L"
+
+    def fn(batch):
+        images = [im.convert(mode) for im in batch[image_col]]
+        return {"pixel_values": processor(images, return_tensors="np")["pixel_values"].astype(np.float32)}
+
+    out = dataset.map(fn, batched=True, batch_size=64, remove_columns=[image_col], desc=desc)
+    return out.with_format("torch")

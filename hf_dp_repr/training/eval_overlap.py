@@ -1,0 +1,139 @@
+"""Evaluation sets that share rows with the training set (a mixin of `DPTrainer`, placed before `Trainer`).
+
+Metrics of an evaluation set taken from the training data (their losses, predictions, accuracy) are statistics of
+the private data computed outside DP-SGD: the DP guarantee covers the weights, not them. `DPTrainer` checks each
+set it evaluates against the training set (`shared_rows`): the same object or `datasets` fingerprint, else hashes
+of rows over their common columns (every row up to `MAX_HASHED_ROWS` per set; past that, evenly spaced rows, so a
+small overlap of very large sets can go unnoticed).
+
+- The same set, or at least `PRIVATE_SHARE` of its checked rows equal to training rows (a set drawn from the
+  training data: a copy, a selection, train + test concatenated): private. It warns, and names that set's metrics
+  `train_eval_*` (`train_` + the usual prefix): like every `train_*` metric they stay out of the metrics files, the
+  model card and every push (`hf_dp_repr.hub.is_private_metric`). Choosing the released checkpoint by them
+  (`load_best_model_at_end`) or when to stop (`metric_for_best_model`, early stopping) would make the released
+  model a non-private function of the training data: refused before any work.
+- A few equal rows (duplicates across splits, or texts equal once truncated to max_length): warned, metrics kept.
+  A held-out copy of a training row is a row of its own (removing the training row leaves it in the eval set);
+  drop such rows if they were taken from the training data.
+
+Example (a selection of the training set under a new fingerprint is found):
+    >>> import datasets
+    >>> train = datasets.Dataset.from_dict({"x": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "label": [0, 1, 0]})
+    >>> shared_rows(train, train.select([2, 0]))
+    Overlap(description='all 2 rows checked are training rows', private=True)
+    >>> shared_rows(train, datasets.Dataset.from_dict({"x": [[7.0, 8.0]], "label": [1]})) is None
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import NamedTuple
+
+import datasets
+import numpy as np
+from transformers.utils import logging
+
+from ..errors import DPConfigError
+from . import TRAINER_LOGGER
+
+logger = logging.get_logger(TRAINER_LOGGER)
+MAX_HASHED_ROWS = 50_000
+PRIVATE_SHARE = 0.1  # of the checked eval rows equal to training rows: the set was drawn from the training data
+PRIVATE_PREFIX = "train_"  # hf_dp_repr.hub keeps `train_*` metrics out of files, cards and pushes
+
+
+class Overlap(NamedTuple):
+    description: str
+    private: bool  # its metrics are statistics of the training data
+
+
+def _row_hashes(dataset: datasets.Dataset, columns: list[str]) -> set[bytes]:
+    n = len(dataset)
+    rows = None if n <= MAX_HASHED_ROWS else np.unique(np.linspace(0, n - 1, MAX_HASHED_ROWS).round().astype(int))
+    table = dataset.with_format("arrow", columns=columns)
+    hashes = set()
+    for start in range(0, n if rows is None else len(rows), 1024):
+        batch = table[start:start + 1024] if rows is None else table[rows[start:start + 1024].tolist()]
+        for row in batch.to_pylist():
+            values = pickle.dumps([row[c] for c in columns], protocol=5)
+            hashes.add(hashlib.blake2b(values, digest_size=16).digest())
+    return hashes
+
+
+def shared_rows(train, evaluation) -> Overlap | None:
+    """How the evaluation set overlaps the training set, or None if no overlap was found."""
+    if train is None or evaluation is None:
+        return None
+    if train is evaluation:
+        return Overlap("it is the training set", True)
+    fingerprint = getattr(train, "_fingerprint", None)
+    if fingerprint is not None and fingerprint == getattr(evaluation, "_fingerprint", None):
+        return Overlap("it is the training set (same fingerprint)", True)
+    if not (isinstance(train, datasets.Dataset) and isinstance(evaluation, datasets.Dataset)):
+        return None  # other datasets: only the identity above is checked
+    columns = sorted(set(train.column_names) & set(evaluation.column_names))
+    if not columns or not len(train) or not len(evaluation):
+        return None
+    checked = _row_hashes(evaluation, columns)
+    found = len(checked & _row_hashes(train, columns))
+    if not found:
+        return None
+    return Overlap(f"all {found} rows checked are training rows" if found == len(checked)
+                   else f"{found} of {len(checked)} distinct rows checked are training rows",
+                   found >= PRIVATE_SHARE * len(checked))
+
+
+class DPEvalOverlapMixin:
+    """`evaluate` / `predict` name the metrics of a set drawn from the training data `train_*` (kept out of
+    pushes); `_check_eval_overlap` warns and refuses model selection by them."""
+
+    def _overlap(self, dataset) -> Overlap | None:
+        cache = self.__dict__.setdefault("_overlap_cache", {})
+        key = (id(self.train_dataset), getattr(self.train_dataset, "_fingerprint", None), id(dataset),
+               getattr(dataset, "_fingerprint", None))
+        if key not in cache:
+            found = cache[key] = shared_rows(self.train_dataset, dataset)
+            if found and found.private:
+                logger.warning(f"DPTrainer: the evaluation set overlaps the training set ({found.description}). Its "
+                               "metrics are computed on private data outside DP-SGD: they are named train_eval_* "
+                               "and kept out of metrics files, the model card and pushes. Evaluate on held-out rows "
+                               "to publish them.")
+            elif found:
+                logger.warning(f"DPTrainer: the evaluation set shares a few rows with the training set "
+                               f"({found.description}: duplicates across splits, or rows equal once truncated?). Its "
+                               "metrics are kept; if those rows were taken from the training data, drop them.")
+        return cache[key]
+
+    def _check_eval_overlap(self) -> None:
+        """At init: warn about every eval set that overlaps the training set; refuse selecting the model by one."""
+        sets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+        metric = self.args.metric_for_best_model
+        metric = metric if metric is None or metric.startswith("eval_") else f"eval_{metric}"
+        for name, dataset in sets.items():
+            found = self._overlap(dataset)
+            if found and found.private and metric is not None and (name is None or metric.startswith(f"eval_{name}_")):
+                raise DPConfigError(
+                    f"DPTrainer: {'the eval_dataset' if name is None else f'eval_dataset[{name!r}]'} overlaps the "
+                    f"training set ({found.description}), and metric_for_best_model="
+                    f"{self.args.metric_for_best_model!r} (load_best_model_at_end={self.args.load_best_model_at_end}) "
+                    "would choose the released checkpoint, or when to stop, by metrics of private training rows "
+                    "computed outside DP-SGD. Evaluate on held-out rows, or drop load_best_model_at_end / "
+                    "metric_for_best_model (and early stopping).")
+
+    def _metric_prefix(self, dataset, prefix: str) -> str:
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        found = self._overlap(dataset)
+        return f"{PRIVATE_PREFIX}{prefix}" if found and found.private else prefix
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if not isinstance(dataset, dict):  # a dict: the Trainer evaluates each entry through this method again
+            metric_key_prefix = self._metric_prefix(dataset, metric_key_prefix)
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        return super().predict(test_dataset, ignore_keys=ignore_keys,
+                               metric_key_prefix=self._metric_prefix(test_dataset, metric_key_prefix))
