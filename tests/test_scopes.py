@@ -107,7 +107,9 @@ def test_bad_trainable_blocks_name_the_fix(digits, tmp_path):
 def test_start_of_training_logs_the_trainable_table(digits, tmp_path):
     logger = logging.get_logger("hf_dp_repr.trainer")
     with CaptureLogger(logger) as cl:
-        train(tiny_vit(), digits["train"].select(range(128)), tmp_path, trainable_blocks=1, max_steps=1)
+        # The plan is an INFO line: shown with log_level="info", as the README says (whatever earlier tests set).
+        train(tiny_vit(), digits["train"].select(range(128)), tmp_path, trainable_blocks=1, max_steps=1,
+              log_level="info")
     block = sum(p.numel() for p in tiny_vit().vit.layers[3].parameters())
     assert "vit.layers.3" in cl.out and f"{block:,}" in cl.out
     assert "trainable            34,250  of 136,138" in cl.out  # block 3 + final layernorm (128) + head (650)
