@@ -78,3 +78,14 @@ def digits():
 @pytest.fixture
 def token_dataset():
     return make_token_dataset()
+
+
+@pytest.fixture
+def no_pretraining(monkeypatch):
+    """The recipes' public pre-training fails the test: bad arguments must be refused before it starts."""
+    from hf_dp_repr.scripts import utils as ru
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("public pre-training started before the arguments were checked")
+
+    monkeypatch.setattr(ru, "pretrain_on_public", refuse)
