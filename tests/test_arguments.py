@@ -16,8 +16,6 @@ from hf_dp_repr.errors import DPConfigError
 from hf_dp_repr.tiny import tiny_vit
 from utils import dp_args
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # A value of each refused field that DP-SGD cannot honour.
 REFUSED_VALUES = {
     "train_sampling_strategy": "group_by_length", "dataloader_drop_last": True, "data_seed": 3,

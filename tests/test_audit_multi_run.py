@@ -6,8 +6,6 @@ from transformers import TrainingArguments
 
 from hf_dp_repr.audit.multi_run import audit_from_losses, best_threshold, multi_run_audit
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
-
 
 def test_threshold_and_counts():
     assert best_threshold(np.array([0.1, 0.2, 0.3]), np.array([1.0, 2.0, 3.0])) == pytest.approx(0.65)

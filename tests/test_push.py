@@ -23,8 +23,6 @@ from hf_dp_repr.hub.card import format_epsilon
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import free_port, make_token_dataset
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 WEIGHTS_LEDGER_CARD = ["README.md", "config.json", "model.safetensors", "privacy_ledger.json"]
 AFTER_TRAINING = ["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json"]
 # What a run leaves at the top of output_dir, or a user puts there, that must never be pushed.

@@ -20,7 +20,6 @@ from hf_dp_repr.errors import DPConfigError, OutputDirError
 from hf_dp_repr.privacy.accounting import compute_epsilon
 from hf_dp_repr.tiny import tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS, EVERY = 6, 3
 
 
