@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..errors import DPConfigError
-from ..privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
+from ..privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant, default_neighboring
 from ..privacy.optimizer import CLIPPING_MODES
 from ..scope.groups import parse_groups
 from ..scope.head_init import HEAD_INITS, check_head_init
@@ -67,8 +67,9 @@ class DPTrainingArguments(TrainingArguments):
     accountant: str = field(
         default="pld",
         metadata={"help": "Privacy accountant: 'pld' (dp_accounting's privacy loss distributions, default; the only "
-                  "one for neighboring='replace_one'), 'prv' or 'rdp' (Opacus; add/remove neighbours only). 'gdp' "
-                  "is refused: it under-reports ε.", "choices": ACCOUNTANTS},
+                  "one for neighboring='replace_one'), 'prv' or 'rdp' (Opacus; add/remove neighbours only), or one "
+                  "added by `register_accountant`. 'gdp' is refused: it under-reports ε.",
+                  "choices": ACCOUNTANTS},  # the live registry: later registrations are choices too
     )
     neighboring: str | None = field(
         default=None,
@@ -269,7 +270,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
             raise DPConfigError(f"DPTrainingArguments: {name}={value} must be >= 1: the logical batch (per-device "
                              "batch × gradient_accumulation_steps × processes) sets the sampling rate q = batch / n.")
     if args.neighboring is None:  # what the accountant computes: Opacus' accountants know add/remove only
-        args.neighboring = "replace_one" if args.accountant == "pld" else "add_remove"
+        args.neighboring = default_neighboring(args.accountant)
     try:
         check_accountant(args.accountant, args.neighboring)
     except ValueError as err:
