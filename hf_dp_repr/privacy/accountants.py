@@ -44,8 +44,8 @@ from ..quiet import RDP_LARGEST_ALPHA
 History = list[tuple[float, float, int]]  # (noise_multiplier, sample_rate, steps), as Opacus stores it
 NEIGHBORING_RELATIONS = ("add_remove", "replace_one")
 GDP_REFUSED = ("the 'gdp' accountant is refused: its central-limit approximation is not an upper bound and "
-               "under-reports ε for DP-SGD (e.g. 0.47 for a true 1.69 at σ=0.9, q=0.05, 3 steps). Use 'prv' "
-               "(default), 'rdp' or 'pld'.")
+               "under-reports ε for DP-SGD (e.g. 0.47 for a true 1.69 at σ=0.9, q=0.05, 3 steps). Use 'pld' "
+               "(default), 'prv' or 'rdp'.")
 REFUSED = {"gdp": GDP_REFUSED}  # name: why it is refused
 # dp_accounting's privacy-loss grid for `pld`. Its pessimistic estimate rounds every loss up to the grid, so a coarser
 # grid only raises ε: 1e-3 reports at most ~0.1 % above dp_accounting's finer default (1e-4) and calibrates 5-10×
