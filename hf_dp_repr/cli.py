@@ -128,7 +128,8 @@ def _add_push_parser(subparsers) -> None:
 
 
 def run_push(args: argparse.Namespace) -> int:
-    from .hub.push import HubAccessError, files_to_push, push_run_folder
+    from .errors import HubAccessError
+    from .hub.push import files_to_push, push_run_folder
 
     try:
         info = push_run_folder(args.output_dir, args.hub_model_id, private=args.private or None,

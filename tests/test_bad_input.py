@@ -5,7 +5,7 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.privacy.validation import NotPrivatizableError
+from hf_dp_repr.errors import NotPrivatizableError
 from hf_dp_repr.tiny import tiny_vit
 
 

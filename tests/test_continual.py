@@ -155,7 +155,7 @@ def test_decelerator_switch_stops_at_the_first_small_ratio(digits, tmp_path):
     assert all(r > 1.0 for r in ratios[:-1])
     assert ratios[-1] <= 1.0 or switch == 9  # stopped at the first small ratio, or ran out of public steps
     for h in public:  # D / ḡᵀHḡ with D = σ²C²tr(H)/B², tr(H) at its upper 2-standard-error end
-        led = trainer.ledger.phases[0]
+        led = trainer.ledger.plan.phases[0]
         d = led.noise_multiplier ** 2 * max(0, h["hessian_trace"] + 2 * h["hessian_trace_stderr"]) \
             / led.expected_batch_size ** 2
         want = d / h["curvature_along_gradient"] if h["curvature_along_gradient"] > 0 else math.inf

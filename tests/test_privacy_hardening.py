@@ -81,7 +81,7 @@ def test_replace_one_accounting_through_the_trainer(digits, tmp_path):
     trainer = DPTrainer(model=tiny_vit(num_labels=10), args=args, train_dataset=data)
     out = trainer.train()
     led = trainer.ledger
-    assert led.neighboring == "replace_one" and led.to_dict()["neighboring"] == "replace_one"
+    assert led.plan.neighboring == "replace_one" and led.to_dict()["neighboring"] == "replace_one"
     assert out.metrics["epsilon"] == compute_epsilon(led.history, 1e-4, "pld", "replace_one") <= 2.0
     assert compute_epsilon(led.history, 1e-4, "pld") < out.metrics["epsilon"]  # add/remove is smaller
 

@@ -17,6 +17,7 @@ from hf_dp_repr.scripts import causal_lm as lm_recipe
 from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.scripts import text_classification as text_recipe
 from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.scripts.arguments import given_options, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,13 +49,13 @@ def test_config_file_is_expanded_and_the_command_line_wins(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("target_epsilon: 2\ntarget_delta: 1.0e-5\nreport_to: [none]\npublic_fraction: 0.25\n"
                    "analyze_representations: true\noutput_dir: from_yaml\n")
-    margs, targs = ru.parse_args((image_recipe.ImageArguments, DPTrainingArguments),
+    margs, targs = parse_args((image_recipe.ImageArguments, DPTrainingArguments),
                                  ["--config", str(cfg), "--target_epsilon", "8"])
     assert targs.target_epsilon == 8 and targs.target_delta == 1e-5 and targs.output_dir == "from_yaml"
     assert margs.public_fraction == 0.25 and margs.analyze_representations is True and margs.config == str(cfg)
     cfg.write_text("no_such_option: 1\ntarget_epsilon: 1\n")
     with pytest.raises(ValueError, match="no_such_option"):
-        ru.parse_args((image_recipe.ImageArguments, DPTrainingArguments), ["--config", str(cfg)])
+        parse_args((image_recipe.ImageArguments, DPTrainingArguments), ["--config", str(cfg)])
 
 
 def test_every_shipped_config_parses():
@@ -69,7 +70,7 @@ def test_every_shipped_config_parses():
         recipe = by_file[named.group(1)] if named else image_recipe
         values = yaml.safe_load(cfg.read_text())
         budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
-        ru.parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
+        parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
 
 
 def test_accuracy_metric_works_without_the_hub(monkeypatch):
@@ -413,7 +414,7 @@ def test_recipes_log_epsilon_about_twenty_times_unless_told(tmp_path):
     assert args.logging_steps == 7
     cfg = tmp_path / "c.yaml"
     cfg.write_text("logging_strategy: epoch\n")
-    assert ru.given_options(["--config", str(cfg), "--seed=3"]) == {"logging_strategy", "seed"}
+    assert given_options(["--config", str(cfg), "--seed=3"]) == {"logging_strategy", "seed"}
 
 
 def test_only_the_main_process_logs():

@@ -57,7 +57,6 @@ def test_config_file_then_command_line_and_the_given_options(tmp_path):
                                          ["--config", str(cfg), "--output_dir", "o", "--target_epsilon", "3"])
     assert script.dataset_name == "from_yaml" and train.target_epsilon == 3 and script.config == str(cfg)
     assert arguments.given_options(["--config", str(cfg), "--seed=1"]) == {"dataset_name", "target_epsilon", "seed"}
-    assert utils.parse_args is arguments.parse_args  # the old home still works
 
 
 def test_dataset_helpers_name_the_flag_to_set():

@@ -83,7 +83,7 @@ def test_a_one_example_dataset_is_full_batch_dp_sgd_without_warnings(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # was: divide by zero in the PRV accountant
         trainer.train()
-    phase = trainer.ledger.phases[0]
+    phase = trainer.ledger.plan.phases[0]
     assert phase.sample_rate == 1.0 and trainer.ledger.steps_done == 3
     # No amplification by sampling at q = 1; replace-one (the default) moves the sum by up to 2C: σ/2 for add/remove.
     assert trainer.ledger.plan.neighboring == "replace_one"

@@ -24,8 +24,10 @@ import contextlib
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass
 
+from .._moved import REMOVED_IN
 from ..errors import PrivacyBudgetExhaustedError
 from .accounting import History, compute_epsilon, merge_history
 
@@ -131,8 +133,9 @@ class PrivacyPlan:
 class PrivacyLedger:
     """A run's plan and its position in it: what it has spent. Written into every checkpoint, restored on resume.
 
-    The plan's fields read through the ledger (`ledger.phases`, `ledger.target_delta`, `ledger.planned_epsilon()`,
-    ...) as they did when the plan and the ledger were one object; the ledger itself only counts steps.
+    The plan's fields are `ledger.plan.<field>` (`ledger.plan.phases`, `ledger.plan.target_delta`, ...); reading them
+    through the ledger (`ledger.target_delta`, as when the plan and the ledger were one object) still works, with a
+    DeprecationWarning. The ledger itself only counts steps.
     """
 
     plan: PrivacyPlan
@@ -152,7 +155,10 @@ class PrivacyLedger:
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "plan":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
-        return getattr(self.plan, name)
+        value = getattr(self.plan, name)  # an AttributeError for a name the plan lacks too
+        warnings.warn(f"PrivacyLedger.{name} reads the plan through the ledger; use ledger.plan.{name} (the "
+                      f"forwarding goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+        return value
 
     @property
     def history(self) -> History:

@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.data import IterableDataset
 from transformers.models.vit.modeling_vit import ViTEmbeddings
 
-from ..errors import NotPrivatizableError  # noqa: F401  (defined in errors.py, importable from here as before)
+from .. import errors
+from .._moved import moved_attribute
 
 
 def check_model_is_privatizable(model: nn.Module) -> None:
@@ -41,7 +42,7 @@ def check_model_is_privatizable(model: nn.Module) -> None:
     for err in GradSampleModule.validate(model, strict=False):
         problems.append(f"{err}. Fix: freeze that module (requires_grad=False) or replace it.")
     if problems:
-        raise NotPrivatizableError(
+        raise errors.NotPrivatizableError(
             "This model cannot be trained with DP-SGD as it is:\n  - " + "\n  - ".join(problems)
         )
 
@@ -89,3 +90,8 @@ def check_one_row_per_example(batch: dict, n_examples: int) -> None:
         if restarts.any():
             raise ValueError(f"DPTrainer: `position_ids` restart inside a row: several examples are packed into one "
                              f"row. {fix}")
+
+
+def __getattr__(name: str):
+    # NotPrivatizableError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
+    return moved_attribute(__name__, name)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..errors import DPConfigError
+from ..errors import DPConfigError, ScopeError
 from ..privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant, default_neighboring
 from ..privacy.optimizer import CLIPPING_MODES
 from ..scope.groups import parse_groups
@@ -115,15 +115,16 @@ class DPTrainingArguments(TrainingArguments):
     trainable_blocks: int | None = field(
         default=None,
         metadata={"help": "Train only the last k transformer blocks, the modules after them (final norm, pooler) "
-                  "and the task head; 0 = linear probe (head only); None (default) = every parameter. Embeddings "
-                  "train only with None."},
+                  "and the task head: the short form of trainable_groups='last:k,final,head'; 0 = linear probe "
+                  "(trainable_groups='head'); None (default) = every parameter. Embeddings train only with None."},
     )
     trainable_groups: str | None = field(
         default=None,
         metadata={"help": "Layer selection beyond the last k blocks (exclusive with trainable_blocks): a comma-"
                   "separated union of block selectors (an index, 'first:k', 'last:k', 'every_other', "
-                  "'every_other:odd') and named groups ('head', 'norms', 'biases', 'attention', 'mlp'), e.g. "
-                  "'biases,head' (BitFit) or 'first:2,norms,head'. Only what is named trains. A list also works."},
+                  "'every_other:odd') and named groups ('head', 'final': the modules after the blocks, 'norms', "
+                  "'biases', 'attention', 'mlp'), e.g. 'biases,head' (BitFit) or 'first:2,norms,head'. Only what is "
+                  "named trains; 'head' alone is the linear probe. A list also works."},
     )
     block_stack: str | None = field(
         default=None,
@@ -160,11 +161,11 @@ class DPTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Compute what the frozen part of the model feeds the trained part once, and train (and "
                   "evaluate) on it: the head's inputs for a linear probe (trainable_blocks=0), the hidden states "
-                  "entering the first trained block for trainable_blocks=k (also in the linear-probing phase of "
-                  "lp_steps). The frozen part runs in eval mode, cached or not. None (default): when it gives the "
-                  "same updates (no transform on the dataset, nothing below the scope trains, fixed-length rows, "
-                  "within the size bounds), else the uncached path with the reason logged; False: never (e.g. "
-                  "random augmentation); True: always, or an error."},
+                  "entering the first trained block for trainable_blocks=k or a trainable_groups scope (also in the "
+                  "linear-probing phase of lp_steps). The frozen part runs in eval mode, cached or not. None "
+                  "(default): when it gives the same updates (no transform on the dataset, nothing below the scope "
+                  "trains, fixed-length rows, within the size bounds), else the uncached path with the reason "
+                  "logged; False: never (e.g. random augmentation); True: always, or an error."},
     )
     cache_features_max_memory_gb: float = field(
         default=4.0,
@@ -290,18 +291,18 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
                          "(0 = linear probe: head only; None = train every parameter).")
     if args.trainable_groups is not None:
         if args.trainable_blocks is not None:
-            raise ValueError("DPTrainingArguments: trainable_blocks and trainable_groups are both set; give one (e.g. "
+            raise ScopeError("DPTrainingArguments: trainable_blocks and trainable_groups are both set; give one (e.g. "
                              "trainable_groups='last:2,norms,head' for the last 2 blocks, every norm and the head).")
         parse_groups(args.trainable_groups)  # unknown names fail here, before any work
     validate_lp_fields(args)
     check_privacy_unit(args)
     if args.public_switch not in ("fixed", "decelerator", "plateau"):
-        raise ValueError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' or "
-                         "'plateau'.")
+        raise DPConfigError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' "
+                            "or 'plateau'.")
     for name in ("public_max_steps", "public_check_steps", "hessian_probes", "hessian_max_examples",
                  "public_plateau_patience"):
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
-            raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
+            raise DPConfigError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     validate_cache_fields(args)
     if args.noise_seed is not None and args.secure_mode:
         raise DPConfigError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
