@@ -48,12 +48,16 @@ class DPRandomness:
         """What the ledger and the model card record: "seeded" or "os-entropy"."""
         return "seeded" if self.seeded else "os-entropy"
 
-    def _key(self, purpose: int, index: int) -> np.random.SeedSequence:
-        return np.random.SeedSequence([self._secret, purpose, int(index)])
+    def _key(self, purpose: int, *index: int) -> np.random.SeedSequence:
+        return np.random.SeedSequence([self._secret, purpose, *(int(i) for i in index)])
 
-    def noise_generator(self, step: int, device: torch.device | str = "cpu") -> torch.Generator:
-        """A torch generator on `device` for the Gaussian noise of DP step `step`, fresh for every step."""
-        seed = int(self._key(_NOISE, step).generate_state(1, np.uint64)[0])
+    def noise_generator(self, step: int, device: torch.device | str = "cpu", shard: int | None = None
+                        ) -> torch.Generator:
+        """A torch generator on `device` for the Gaussian noise of DP step `step`, fresh for every step. `shard`:
+        the stream of one shard of the parameters (sharded runs: each rank noises the coordinates it owns); None,
+        the whole step's stream (keyed as before shards existed, so seeded runs reproduce)."""
+        key = self._key(_NOISE, step) if shard is None else self._key(_NOISE, step, shard)
+        seed = int(key.generate_state(1, np.uint64)[0])
         return torch.Generator(device=device).manual_seed(seed)
 
     def sampling_seed(self) -> int:
