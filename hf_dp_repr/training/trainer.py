@@ -1,15 +1,13 @@
 """`DPTrainer`: DP-SGD inside `transformers.Trainer`.
 
 What changes against the plain Trainer, and nothing else:
-- the DP-SGD machinery is one object, `trainer.engine` (`privacy.engine.DPEngine`), made from the run's frozen
-  `PrivacyPlan` when training starts: Poisson batches split into the accumulation micro-batches, per-example
-  clipping on the unwrapped HF model (ghost norms or Opacus hooks; what is saved is a plain HF model), Gaussian
-  noise once per logical step from the run's secret, the `PrivacyLedger` stepped at every update;
+- DP-SGD: one object, `trainer.engine` (`privacy.engine.DPEngine`), made from the run's frozen `PrivacyPlan` when
+  training starts: Poisson batches, per-example clipping on the unwrapped HF model (so what is saved is a plain HF
+  model), noise once per logical step from the run's secret, the `PrivacyLedger` stepped at every update;
 - loss: the sum of per-example losses (`privacy.loss`), overridable through `per_example_loss`;
-- accounting: σ calibrated for the whole planned run, `epsilon` in every log, the ledger in every checkpoint and
-  restored by `resume_from_checkpoint`;
-- what trains: the scope of each phase (`scope.phases`), and the features cached from frozen weights
-  (`trainer.features`). The private `Trainer` members it overrides or uses are listed in `training.hf_compat`.
+- accounting: `epsilon` in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`;
+- what trains: each phase's scope (`scope.phases`), on features cached from frozen weights (`trainer.features`).
+The private `Trainer` members it overrides or relies on are listed in `training.hf_compat`.
 
 Example (runs in seconds on a CPU):
     >>> from hf_dp_repr import DPTrainer, DPTrainingArguments
@@ -35,7 +33,7 @@ from transformers import Trainer
 from transformers.utils import ModelOutput, logging
 
 from ..hub.card import ModelCardInfo
-from ..privacy.engine import DPEngine, EngineOptions
+from ..privacy.engine import DPEngine
 from ..privacy.grad_samplers import batch_position_ids
 from ..privacy.ledger import PrivacyLedger, PrivacyPlan
 from ..privacy.loss import is_causal_lm, per_example_loss
@@ -57,15 +55,16 @@ from .continual import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
 from .features import DPFeatureCacheMixin, FeatureCaches
-from .plan import plan_run, resume_ledger
-from .report import announce_plan, follow_log_level
+from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
+from .report import DPPrivacyReportMixin, announce_plan, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
 from .search import DPSearchMixin
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
-class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPSavingMixin, DPEvalOverlapMixin, Trainer):
+class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin,
+                Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -135,23 +134,6 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPSavingMixin, DPEvalOverlap
             init_head(model, self.args.head_init)
         return model
 
-    @property
-    def ledger(self) -> PrivacyLedger | None:
-        """The run's privacy ledger (the engine's): its plan and the steps taken. None before training."""
-        return None if self.engine is None else self.engine.ledger
-
-    @ledger.setter
-    def ledger(self, ledger: PrivacyLedger) -> None:
-        """A finished run's ledger (a checkpoint's, a search's best trial's): what the trainer reports from now on."""
-        engine = DPEngine(ledger.plan, ledger=ledger, log=logger)
-        engine.clipping_engine = self.clipping_engine
-        self.engine = engine
-
-    @property
-    def clipping_engine(self) -> str | None:
-        """The per-example clipping that ran: "ghost" or "hooks" (same clipping, same guarantee)."""
-        return None if self.engine is None else self.engine.clipping_engine
-
     # ---- what trains, and the privacy plan ----------------------------------------------------------------------
     def _set_scopes(self, model, args) -> None:
         """`model`'s phase scopes, the last applied (the optimizer covers all phases'; each phase freezes the rest)."""
@@ -194,13 +176,9 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPSavingMixin, DPEvalOverlap
             self.features.prepare(self.model, [] if units else self._scopes, self.args, self.train_dataset,
                                   self._train_dataset_and_collator)
         dataset, collator = self.features.train_inputs(self._train_dataset_and_collator)
-        if self.engine is None:
-            args = self.args
-            options = EngineOptions(clipping_engine=args.clipping_engine, secure_mode=args.secure_mode,
-                                    max_rows_per_unit=args.max_rows_per_unit,
-                                    micro_batches_per_step=args.gradient_accumulation_steps, rank=args.process_index)
-            self.engine = DPEngine(self.privacy_plan(), options, DPRandomness(args.noise_seed, args.world_size),
-                                   log=logger)
+        if self.engine is None:  # the run's secret is drawn now: fresh for every train()
+            randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
+            self.engine = DPEngine(self.privacy_plan(), engine_options(self.args), randomness, log=logger)
         cached = self.features.cached_head is not None
         sampler = self.engine.batch_sampler(self._unit_rows[0] if units and not cached else None)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
@@ -249,14 +227,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPSavingMixin, DPEvalOverlap
             return super().create_scheduler(num_training_steps, optimizer)
         lp_steps = plan.phases[0].steps
         base = super().create_scheduler(num_training_steps - lp_steps, optimizer)
-        if not isinstance(base, torch.optim.lr_scheduler.LambdaLR):
-            raise ValueError(f"DPTrainer: lr_scheduler_type={self.args.lr_scheduler_type!r} cannot be shifted past "
-                             "the linear-probing phase; use a step-based schedule (linear, cosine, constant, ...).")
-        lp_factor = (self.args.lp_learning_rate or self.args.learning_rate) / self.args.learning_rate
-        lambdas = [lambda step, f=f: lp_factor if step < lp_steps else f(step - lp_steps) for f in base.lr_lambdas]
-        for group in (optimizer or self.optimizer).param_groups:
-            group["lr"] = group["initial_lr"]
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambdas)
+        self.lr_scheduler = probe_then_schedule(base, lp_steps, self.args, optimizer or self.optimizer)
         return self.lr_scheduler
 
     def _sync_phase(self) -> None:
@@ -375,21 +346,3 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPSavingMixin, DPEvalOverlap
         if self.continual_record is not None:
             finish_record(self)
         return output
-
-    def epsilon(self) -> float | None:
-        """ε spent so far (computed by the ledger's accountant, for its neighbouring relation), None before training."""
-        return None if self.ledger is None else self.engine.epsilon()
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it.
-        logs.pop("grad_norm", None)
-        privacy = {}
-        if self.ledger is not None:
-            privacy["epsilon"] = self.epsilon()
-            if len(self.ledger.plan.phases) > 1:
-                privacy.update({f"epsilon_{name}": eps for name, eps in self.engine.epsilon_by_phase().items()})
-        logged = {**logs, **privacy}
-        super().log(logged, *args, **kwargs)
-        # What the Trainer adds in place (epoch) reaches the caller; ε does not: eval metrics that a hyperparameter
-        # search scores must stay free of it.
-        logs.update({k: v for k, v in logged.items() if k not in privacy})
