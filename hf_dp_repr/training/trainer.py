@@ -201,6 +201,8 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
     # ---- optimizer: the engine's DP optimizer around the Trainer's --------------------------------------------
     def create_optimizer(self, model=None):
         engine = self.engine
+        if engine is None:
+            raise RuntimeError("DPTrainer: the DP optimizer is made by train(), after its training dataloader.")
         if engine.optimizer is not None and self.optimizer is engine.optimizer:
             engine.attach(self.model)
             return self.optimizer
@@ -311,7 +313,6 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         self._check_training_data()  # not the data a search of this trainer tuned on (search.py)
         self._resume_ledger = None
         self._plan = None
-        self.engine = None  # a new run: its engine (and secret randomness) is made with its training dataloader
         check_one_run(self.args.world_size)
         self._check_eval_overlap()  # the eval set or the arguments may have changed since init
         if self.train_dataset is not None:  # before any work: labels, the model's inputs, rows that are not examples
@@ -332,6 +333,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
             start_continual(self, path)
         self.features.ready = False  # prepared with the training dataloader, on the model that trains
+        self.engine = None  # a new run: its engine (and secret randomness) is made with its training dataloader
         state = "failed"
         try:
             output = super().train(resume_from_checkpoint=path, trial=trial,
