@@ -120,9 +120,9 @@ def test_fixed_switch_trains_both_phases_and_accounts_only_private_steps(digits,
     # the ledger, σ, q and the Poisson batches are those of the same DP run without a public phase
     alone, _, _ = continual_run(digits, tmp_path, name="alone", public=False)
     assert trainer.ledger.to_dict() == alone.ledger.to_dict() and trainer.ledger.steps_done == 4
-    for s in (trainer._batch_sampler, alone._batch_sampler):
+    for s in (trainer.engine.sampler, alone.engine.sampler):
         s.set_epoch(0)
-    assert list(trainer._batch_sampler) == list(alone._batch_sampler)
+    assert list(trainer.engine.sampler) == list(alone.engine.sampler)
     # tr(H), the decelerator and ε over time, saved and plotted
     public = [h for h in record["history"] if h["phase"] == "public"]
     private = [h for h in record["history"] if h["phase"] == "private"]

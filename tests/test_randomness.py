@@ -71,7 +71,7 @@ def test_the_secret_is_stored_nowhere(digits, tmp_path):
     trainer, _ = run(digits["train"].select(range(64)), tmp_path, steps=2, save_strategy="steps", save_steps=1)
     trainer.save_model()
     assert trainer.ledger.plan.randomness == "os-entropy"
-    secrets = {str(trainer._randomness._secret), str(trainer._randomness.sampling_seed())}
+    secrets = {str(trainer.engine.randomness._secret), str(trainer.engine.randomness.sampling_seed())}
     secrets |= {s[:12] for s in secrets}
     written = 0
     for folder, _, files in os.walk(tmp_path):

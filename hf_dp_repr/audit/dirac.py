@@ -65,7 +65,7 @@ class _ReleasedGradient(TrainerCallback):
         self.total = np.zeros(trainer.dirac_canaries.m)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        opt, grad = self.trainer._dp_optimizer, self.trainer.dirac_canaries.weights.weight.grad
+        opt, grad = self.trainer.engine.optimizer, self.trainer.dirac_canaries.weights.weight.grad
         self.total += grad.detach().double().flatten().cpu().numpy() * opt.expected_batch_size / opt.max_grad_norm
 
 

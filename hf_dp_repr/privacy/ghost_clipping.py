@@ -132,8 +132,11 @@ class GhostClippingEngine:
     the probe of `privacy.batch_rows`); their rows are viewed as (B, rows, ...) given `recording(batch_size=B)`.
     """
 
-    def __init__(self, model: nn.Module, several=()):
+    def __init__(self, model: nn.Module, several=(), key_of=None):
         self.model = model
+        # key_of(p): the tensor a module holds in the backward → the trained tensor it stands for (the key of the
+        # norms and sums). None: itself. FSDP swaps in gathered parameters; key_of maps them to the sharded ones.
+        self.key_of = key_of
         self.several = {m for name, m in model.named_modules() if name in set(several)}
         self._batch_size: int | None = None
         self.modules = [m for m in model.modules() if _own_trainable(m)]
@@ -192,10 +195,13 @@ class GhostClippingEngine:
             # autograd would refuse too: the norms would be computed on the wrong activations
             raise RuntimeError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
                                "after its forward; use clipping_engine='hooks'.")
-        for p, kind, *data in pieces_of(module, inputs, self._examples_first(module, grad.detach()), self._trained):
+        trained = self._trained
+        if self.key_of is not None:
+            trained = {p for p in module.parameters(recurse=False) if self.key_of(p) in self._trained}
+        for p, kind, *data in pieces_of(module, inputs, self._examples_first(module, grad.detach()), trained):
             if kind == "factors" and _materialise_now(*data):
                 kind, data = "explicit", [_materialise(*data)]
-            self._pieces.setdefault(p, []).append((kind, *data))
+            self._pieces.setdefault(p if self.key_of is None else self.key_of(p), []).append((kind, *data))
 
     def _examples_first(self, module, t: torch.Tensor) -> torch.Tensor:
         """(B·r, ...) → (B, r, ...) for a module that sees r rows per example; other tensors as they are."""

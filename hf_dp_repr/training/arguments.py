@@ -19,7 +19,8 @@ from transformers import TrainingArguments
 
 from ..errors import DPConfigError, ScopeError
 from ..privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant, default_neighboring
-from ..privacy.optimizer import CLIPPING_MODES
+from ..privacy.clippers import CLIPPERS
+from ..privacy.clipping_modes import CLIPPING_MODES
 from ..scope.groups import parse_groups
 from ..scope.head_init import HEAD_INITS, check_head_init
 from .argument_checks import (
@@ -33,7 +34,7 @@ from .argument_checks import (
 )
 from .argument_fields import check_refused_fields
 
-CLIPPING_ENGINES = ("auto", "ghost", "hooks")
+CLIPPING_ENGINES = ("auto", *CLIPPERS)  # "ghost", "hooks": privacy.clippers
 
 # Hub strategies that exist to push resumable checkpoints: trainer_state.json (the loss of every logged step, computed
 # on private data), optimizer and RNG state, training_args.bin. A checkpoint without them would not resume.
@@ -96,8 +97,8 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "'flat' (one norm over all parameters), 'per_layer' (each parameter tensor clipped to "
                   "C/sqrt(#tensors), total sensitivity C) or 'automatic' (Bu et al.: g·C/(||g||+0.01)). 'none' "
                   "(with noise_multiplier=0 only): the true non-private reference, the plain gradient through the "
-                  "same trainer (ε = ∞).",
-                  "choices": CLIPPING_MODES},
+                  "same trainer (ε = ∞). Any mode registered in `privacy.clipping_modes`.",
+                  "choices": CLIPPING_MODES.keys()},
     )
     clipping_engine: str = field(
         default="auto",
@@ -281,11 +282,12 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping_engine {args.clipping_engine!r}; use one of "
                             f"{CLIPPING_ENGINES}.")
     if args.clipping not in CLIPPING_MODES:
-        raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of {CLIPPING_MODES}.")
-    if args.clipping == "none" and not (sigma == 0 and eps is None):
-        raise DPConfigError("DPTrainingArguments: clipping='none' bounds no example's influence, so no noise makes it "
-                            "private; it is only for the non-private reference: set noise_multiplier=0 (and no "
-                            "target_epsilon), or use clipping='flat'.")
+        raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of "
+                            f"{tuple(CLIPPING_MODES)}.")
+    if not CLIPPING_MODES[args.clipping].private and not (sigma == 0 and eps is None):
+        raise DPConfigError(f"DPTrainingArguments: clipping={args.clipping!r} bounds no example's influence, so no "
+                            "noise makes it private; it is only for the non-private reference: set noise_multiplier=0 "
+                            "(and no target_epsilon), or use clipping='flat'.")
     if args.trainable_blocks is not None and args.trainable_blocks < 0:
         raise DPConfigError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")

@@ -131,7 +131,7 @@ class PrivatePhaseCurvature(TrainerCallback):
             return control
         gen = torch.Generator().manual_seed(10**6 + state.global_step)
         trace, stderr = model_trace(self.trainer.model, self.batch, args.hessian_probes, gen,
-                                    self.trainer._grad_sample_hooks)
+                                    self.trainer.engine.clipper)
         phase = self.trainer.ledger.plan.phases[-1]
         self.record["history"].append(dict(
             phase="private", step=self.record["switch_step"] + state.global_step, private_step=state.global_step,

@@ -164,7 +164,7 @@ class HessianTraceCallback(TrainerCallback):
         device = next(model.parameters()).device
         batch = public_batch(self.dataset, self.max_examples, self.data_collator, device)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + offset)
-        hooks = getattr(self._trainer, "_grad_sample_hooks", None)
+        hooks = getattr(getattr(self._trainer, "engine", None), "clipper", None)  # DPTrainer's: paused meanwhile
         return model_trace(model, batch, self.num_probes, generator, hooks)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

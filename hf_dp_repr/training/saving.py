@@ -50,16 +50,13 @@ class DPSavingMixin:
         keep = args.should_save and (resuming or args.save_strategy != SaveStrategy.NO)
         self._spent_dir = args.output_dir if keep else None
 
-    def _write_spent(self) -> None:
-        if self._spent_dir is not None and self.ledger is not None:
+    def _write_spent(self, ledger=None) -> None:
+        """Record the ledger's position (after every noisy step: before anything derived from it is logged)."""
+        ledger = self.ledger if ledger is None else ledger
+        if self._spent_dir is not None and ledger is not None:
             from .resume import write_spent
 
-            write_spent(self._spent_dir, self.ledger)
-
-    def _record_step(self) -> None:
-        """One noisy step computed: accounted, and recorded on disk before anything derived from it is logged."""
-        self.ledger.record_step()
-        self._write_spent()
+            write_spent(self._spent_dir, ledger)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # transformers' own loader misses renamed keys (ViT) with a mere warning: restore exactly, or refuse.
