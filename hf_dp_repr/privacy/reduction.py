@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 
+from ..errors import ArgumentError
+
 
 @dataclass(frozen=True)
 class NoisySum:
@@ -63,7 +65,7 @@ def register_reduction(name: str) -> Callable[[Reduction], Reduction]:
     """Register a strategy under `name` (see the module docstring)."""
     def register(strategy: Reduction) -> Reduction:
         if name in REDUCTIONS:
-            raise ValueError(f"reduction {name!r} is already registered.")
+            raise ArgumentError(f"reduction {name!r} is already registered.")
         REDUCTIONS[name] = strategy
         return strategy
     return register
@@ -71,7 +73,7 @@ def register_reduction(name: str) -> Callable[[Reduction], Reduction]:
 
 def reduction(name: str) -> Reduction:
     if name not in REDUCTIONS:
-        raise ValueError(f"unknown reduction {name!r}; use one of {tuple(REDUCTIONS)}.")
+        raise ArgumentError(f"unknown reduction {name!r}; use one of {tuple(REDUCTIONS)}.")
     return REDUCTIONS[name]
 
 
