@@ -52,7 +52,7 @@ def one_epoch(data: Dataset, k: int, cache: bool, opts) -> float:
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
-        assert (trainer._prefix_states is not None) == cache
+        assert (trainer.features.prefix_states is not None) == cache
         return seconds
 
 

@@ -435,11 +435,12 @@ def main() -> None:
                        args.delta, stats)
     led = final.ledger
     report["final"] = {"test_accuracy": final.evaluate(FeatureSet(*data["test"]))["eval_accuracy"],
-                       "epsilon_spent": led.epsilon(), "delta": led.target_delta, "accountant": led.accountant,
-                       "sigma": led.phases[-1].noise_multiplier, "sample_rate": led.phases[-1].sample_rate,
+                       "epsilon_spent": led.epsilon(), "delta": led.plan.target_delta,
+                       "accountant": led.plan.accountant, "sigma": led.plan.phases[-1].noise_multiplier,
+                       "sample_rate": led.plan.phases[-1].sample_rate,
                        "steps": led.steps_done, "seconds": time.perf_counter() - start}
     print(f"final run on the private 1000: test accuracy {report['final']['test_accuracy']:.4f} at ε = "
-          f"{led.epsilon():.4f}, δ = {led.target_delta:g} (σ = {led.phases[-1].noise_multiplier:.3f}, "
+          f"{led.epsilon():.4f}, δ = {led.plan.target_delta:g} (σ = {led.plan.phases[-1].noise_multiplier:.3f}, "
           f"{led.steps_done} steps)", flush=True)
 
     # (d) optional: tune on the private 1000 itself, accounted with Papernot & Steinke (a separate experiment)

@@ -15,19 +15,26 @@ import importlib
 
 from . import _moved
 from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
     AuditDataError,
     CheckpointMismatchError,
+    DataError,
     DPConfigError,
     HfDpReprError,
     HubAccessError,
+    LedgerError,
+    MissingColumnError,
     ModelFileError,
     NotPrivatizableError,
     OutOfReachError,
     OutputDirError,
     PrivacyBudgetExhaustedError,
     ProcessGroupError,
+    RecipeArgumentError,
     ScopeError,
     TuningDataError,
+    UnsupportedError,
 )
 from .quiet import silence_known_noise
 from .training.search_backends import register_search_backend
@@ -58,4 +65,6 @@ def __dir__():
 __all__ = ["DPTrainer", "DPTrainingArguments", "ModelCardInfo", "PrivacyLedger", "PrivacyPlan",
            "calibrate_noise_multiplier", "compute_epsilon", "HfDpReprError", "DPConfigError", "NotPrivatizableError",
            "ScopeError", "OutOfReachError", "TuningDataError", "PrivacyBudgetExhaustedError", "CheckpointMismatchError",
-           "OutputDirError", "HubAccessError", "ProcessGroupError", "AuditDataError", "ModelFileError"]
+           "OutputDirError", "HubAccessError", "ProcessGroupError", "AuditDataError", "ModelFileError", "ArgumentError",
+           "ArgumentTypeError", "RecipeArgumentError", "DataError", "MissingColumnError", "LedgerError",
+           "UnsupportedError"]

@@ -60,6 +60,11 @@ MOVED = {
 MOVED_NAMES = {
     **{("hf_dp_repr.privacy.accounting", name): "hf_dp_repr.privacy.ledger"
        for name in ("LEDGER_FILE", "Phase", "PrivacyLedger", "PrivacyPlan")},
+    # errors the modules that raised them re-exported, before errors.py held them all
+    ("hf_dp_repr.scope", "ScopeError"): "hf_dp_repr.errors",
+    ("hf_dp_repr.hub", "HubAccessError"): "hf_dp_repr.errors",
+    ("hf_dp_repr.training.checkpoint", "CheckpointMismatchError"): "hf_dp_repr.errors",
+    ("hf_dp_repr.privacy.validation", "NotPrivatizableError"): "hf_dp_repr.errors",
 }
 REMOVED_IN = "0.3"
 

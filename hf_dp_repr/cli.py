@@ -58,7 +58,7 @@ def _probability(text: str) -> float:
 
 
 def _add_privacy_parser(subparsers) -> None:
-    from .privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS
+    from .privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS
 
     p = subparsers.add_parser("privacy", help="ε of a planned DP-SGD run, or the σ that reaches a target ε.",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,8 +69,9 @@ def _add_privacy_parser(subparsers) -> None:
     noise = p.add_mutually_exclusive_group(required=True)
     noise.add_argument("--noise-multiplier", type=float, help="σ: noise std / clipping norm.")
     noise.add_argument("--target-epsilon", type=_target_epsilon, help="ε to reach: σ is calibrated.")
-    p.add_argument("--accountant", default="pld", help=f"one of {ACCOUNTANTS}: dp_accounting's pld (default, as "
-                   "DPTrainingArguments), or Opacus' prv or rdp ('gdp' is refused: it under-reports ε).")
+    p.add_argument("--accountant", default="pld", help=f"one of {tuple(ACCOUNTANTS)}: dp_accounting's pld (default, "
+                   "as DPTrainingArguments), Opacus' prv or rdp, or one added by `register_accountant` ('gdp' is "
+                   "refused: it under-reports ε).")
     p.add_argument("--neighboring", choices=NEIGHBORING_RELATIONS, default=None,
                    help="replace_one or add_remove; default as DPTrainingArguments: replace_one with pld (n is "
                         "published beside ε), add_remove with prv/rdp (they compute nothing else).")
@@ -78,18 +79,21 @@ def _add_privacy_parser(subparsers) -> None:
 
 
 def run_privacy(args: argparse.Namespace) -> int:
-    from .privacy.accounting import ACCOUNTANTS, GDP_REFUSED, calibrate_noise_multiplier, compute_epsilon
+    from .privacy.accountants import ACCOUNTANTS, REFUSED, accountants_for, default_neighboring
+    from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon
 
     if args.steps <= 0:
         raise SystemExit("hf-dp-repr privacy: --steps must be > 0")
-    if args.accountant == "gdp":
-        raise SystemExit(f"hf-dp-repr privacy: {GDP_REFUSED}")
+    if args.accountant in REFUSED:
+        raise SystemExit(f"hf-dp-repr privacy: {REFUSED[args.accountant]}")
     if args.accountant not in ACCOUNTANTS:
-        raise SystemExit(f"hf-dp-repr privacy: unknown --accountant {args.accountant!r}; use one of {ACCOUNTANTS}.")
+        raise SystemExit(f"hf-dp-repr privacy: unknown --accountant {args.accountant!r}; use one of "
+                         f"{tuple(ACCOUNTANTS)}.")
     if args.neighboring is None:  # the trainer's default (DPTrainingArguments.neighboring)
-        args.neighboring = "replace_one" if args.accountant == "pld" else "add_remove"
-    if args.neighboring == "replace_one" and args.accountant != "pld":
-        raise SystemExit("hf-dp-repr privacy: --neighboring replace_one needs --accountant pld.")
+        args.neighboring = default_neighboring(args.accountant)
+    if args.accountant not in (able := accountants_for(args.neighboring)):
+        raise SystemExit(f"hf-dp-repr privacy: --neighboring {args.neighboring} needs --accountant "
+                         f"{' or '.join(able)}.")
     result = {"sample_rate": args.sample_rate, "steps": args.steps, "delta": args.delta, "accountant": args.accountant,
               "neighboring": args.neighboring}
     if args.target_epsilon is not None:
@@ -124,7 +128,8 @@ def _add_push_parser(subparsers) -> None:
 
 
 def run_push(args: argparse.Namespace) -> int:
-    from .hub.push import HubAccessError, files_to_push, push_run_folder
+    from .errors import HubAccessError
+    from .hub.push import files_to_push, push_run_folder
 
     try:
         info = push_run_folder(args.output_dir, args.hub_model_id, private=args.private or None,

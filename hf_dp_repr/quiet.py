@@ -7,10 +7,10 @@ category, so every other warning, and these same words from elsewhere with anoth
   say its input gradient is None, which Opacus never reads (the brute-force tests check the gradients).
 - torch: "'pin_memory' argument is set as true but no accelerator is found": on a CPU-only machine the Trainer's
   default `dataloader_pin_memory=True` is a no-op.
-- Opacus, inside `privacy.accounting.compute_epsilon` only: "Optimal order is the largest alpha. Please consider
-  expanding the range of alphas". The PRV accountant uses RDP only to bound its integration domain (the ε it
-  reports is the PRV one); under accountant="rdp" the orders are Opacus' own, which no argument here changes, and
-  the ε reported is still an upper bound (the default "prv" is tighter).
+- Opacus, inside `privacy.accountants` (its calls to Opacus' accountants) only: "Optimal order is the largest
+  alpha. Please consider expanding the range of alphas". The PRV accountant uses RDP only to bound its integration
+  domain (the ε it reports is the PRV one); under accountant="rdp" the orders are Opacus' own, which no argument
+  here changes, and the ε reported is still an upper bound (the default "prv" is tighter).
 - transformers 5: "`is_gradient_checkpointing` is deprecated": avoided at the source (`privacy.ghost_clipping`
   reads the new name), not filtered.
 

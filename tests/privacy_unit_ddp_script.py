@@ -29,8 +29,8 @@ def main(out: str, per_device: int, accumulation: int) -> None:
     if trainer.is_world_process_zero():
         led = trainer.ledger
         update = {n: (before[n] - p.detach()) * led.expected_batch_size for n, p in trainer.model.named_parameters()}
-        torch.save({"update": update, "dataset_size": led.dataset_size, "world_size": led.world_size,
-                    "sample_rate": led.phases[0].sample_rate}, out)
+        torch.save({"update": update, "dataset_size": led.plan.dataset_size, "world_size": led.plan.world_size,
+                    "sample_rate": led.plan.phases[0].sample_rate}, out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def test_cached_probe_gives_the_same_updates_as_the_uncached_one(digits, tmp_pat
     data = digits["train"].select(range(300))
     cached = probe(data, tmp_path / "cached", cache_features=True)
     plain = probe(data, tmp_path / "plain", cache_features=False)
-    assert cached._cached_head == "classifier" and plain._cached_head is None
+    assert cached.features.cached_head == "classifier" and plain.features.cached_head is None
     assert not torch.equal(plain.model.classifier.weight, tiny_vit().classifier.weight)  # the probe did train
     for (name, a), b in zip(cached.model.named_parameters(), plain.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
@@ -35,7 +35,7 @@ def test_noisy_cached_probe_is_accounted_like_the_uncached_one(digits, tmp_path)
     cached = probe(data, tmp_path / "c", noise_multiplier=None, target_epsilon=1.0, target_delta=1e-4)
     plain = probe(data, tmp_path / "p", noise_multiplier=None, target_epsilon=1.0, target_delta=1e-4,
                   cache_features=False)
-    assert cached._cached_head == "classifier"  # auto: tiny ViT has no dropout and digits no transform
+    assert cached.features.cached_head == "classifier"  # auto: tiny ViT has no dropout and digits no transform
     assert cached.epsilon() == plain.epsilon() <= 1.0
 
 
@@ -43,12 +43,12 @@ def test_probe_falls_back_without_cache_when_caching_would_change_the_updates(di
     logger = logging.get_logger("hf_dp_repr.trainer")
     with CaptureLogger(logger) as cl:  # GPT-2's lm_head is its input embedding: training it changes the features
         trainer = probe(token_dataset, tmp_path / "gpt2", model=tiny_gpt2(), per_device_train_batch_size=8)
-    assert trainer._cached_head is None and "shares parameters with the backbone" in cl.out
+    assert trainer.features.cached_head is None and "shares parameters with the backbone" in cl.out
 
     transformed = digits["train"].select(range(300)).with_transform(lambda b: b)
     with CaptureLogger(logger) as cl:
         trainer = probe(transformed, tmp_path / "aug")
-    assert trainer._cached_head is None and "transform" in cl.out
+    assert trainer.features.cached_head is None and "transform" in cl.out
 
 
 
@@ -57,13 +57,13 @@ def test_probe_with_dropout_runs_the_frozen_backbone_in_eval_mode_and_caches(dig
     cached for that reason). It runs in eval mode, cached or not, and the head keeps train mode."""
     data = digits["train"].select(range(300))
     cached = probe(data, tmp_path / "c", model=tiny_vit(attention_probs_dropout_prob=0.3))
-    assert cached._cached_head == "classifier"
+    assert cached.features.cached_head == "classifier"
     modes = []
     model = tiny_vit(attention_probs_dropout_prob=0.3)
     model.vit.layers[0].attention.register_forward_pre_hook(lambda m, a: modes.append(("backbone", m.training)))
     model.classifier.register_forward_pre_hook(lambda m, a: modes.append(("head", m.training)))
     plain = probe(data, tmp_path / "p", model=model, cache_features=False)
-    assert plain._cached_head is None
+    assert plain.features.cached_head is None
     assert ("backbone", True) not in modes and ("head", True) in modes  # eval-mode evaluation adds ("head", False)
     for (name, a), b in zip(cached.model.named_parameters(), plain.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)  # the same updates
@@ -112,5 +112,5 @@ def test_probe_evaluates_and_sweeps_on_features_computed_once(digits, tmp_path):
     swept.train()
     swept.train()  # a second trial: a fresh model with the same frozen weights
     # features from the store: the backbones ran in the start-of-training probes only
-    assert len(made) >= 2 and swept._cached_head == "classifier" and sum(calls) == 2 * PROBE_ROWS
+    assert len(made) >= 2 and swept.features.cached_head == "classifier" and sum(calls) == 2 * PROBE_ROWS
     clear_feature_cache()

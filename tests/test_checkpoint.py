@@ -11,8 +11,9 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.errors import CheckpointMismatchError
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
-from hf_dp_repr.training.checkpoint import CheckpointMismatchError, load_checkpoint_weights
+from hf_dp_repr.training.checkpoint import load_checkpoint_weights
 from utils import make_token_classification_dataset, make_token_dataset
 
 STOP = 2

@@ -120,9 +120,9 @@ def test_fixed_switch_trains_both_phases_and_accounts_only_private_steps(digits,
     # the ledger, σ, q and the Poisson batches are those of the same DP run without a public phase
     alone, _, _ = continual_run(digits, tmp_path, name="alone", public=False)
     assert trainer.ledger.to_dict() == alone.ledger.to_dict() and trainer.ledger.steps_done == 4
-    for s in (trainer._batch_sampler, alone._batch_sampler):
+    for s in (trainer.engine.sampler, alone.engine.sampler):
         s.set_epoch(0)
-    assert list(trainer._batch_sampler) == list(alone._batch_sampler)
+    assert list(trainer.engine.sampler) == list(alone.engine.sampler)
     # tr(H), the decelerator and ε over time, saved and plotted
     public = [h for h in record["history"] if h["phase"] == "public"]
     private = [h for h in record["history"] if h["phase"] == "private"]
@@ -155,7 +155,7 @@ def test_decelerator_switch_stops_at_the_first_small_ratio(digits, tmp_path):
     assert all(r > 1.0 for r in ratios[:-1])
     assert ratios[-1] <= 1.0 or switch == 9  # stopped at the first small ratio, or ran out of public steps
     for h in public:  # D / ḡᵀHḡ with D = σ²C²tr(H)/B², tr(H) at its upper 2-standard-error end
-        led = trainer.ledger.phases[0]
+        led = trainer.ledger.plan.phases[0]
         d = led.noise_multiplier ** 2 * max(0, h["hessian_trace"] + 2 * h["hessian_trace_stderr"]) \
             / led.expected_batch_size ** 2
         want = d / h["curvature_along_gradient"] if h["curvature_along_gradient"] > 0 else math.inf

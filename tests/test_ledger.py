@@ -96,8 +96,14 @@ def test_the_plan_is_frozen_and_the_ledger_only_counts_steps():
     for _ in range(3):
         ledger.record_step()
     assert ledger.plan == _plan() and ledger.steps_done == 3  # stepping the ledger leaves its plan as it was
-    assert ledger.epsilon() == plan.epsilon(3) < plan.planned_epsilon() == ledger.planned_epsilon()
-    assert ledger.phases is plan.phases and ledger.target_delta == 1e-5  # the plan's fields read through
+    assert ledger.epsilon() == plan.epsilon(3) < plan.planned_epsilon() == ledger.plan.planned_epsilon()
+    # the plan's fields are ledger.plan's; reading them through the ledger still works, with a DeprecationWarning
+    with pytest.warns(DeprecationWarning, match=r"use ledger\.plan\.target_delta"):
+        assert ledger.target_delta == 1e-5
+    with pytest.warns(DeprecationWarning, match=r"use ledger\.plan\.phases"):
+        assert ledger.phases is plan.phases
+    with pytest.raises(AttributeError):
+        ledger.no_such_field  # noqa: B018
     with pytest.raises(AttributeError):
         ledger.target_delta = 1e-3  # only the plan says what the run does
     with pytest.raises(ValueError, match="outside the plan"):

@@ -73,7 +73,7 @@ def test_cached_prefix_gives_the_same_updates_and_skips_the_frozen_blocks(name, 
     cached.train()
     plain = make_trainer(make(), data, tmp_path / "p", trainable_blocks=k, cache_features=False)
     plain.train()
-    assert cached._prefix_states is not None and plain._prefix_states is None
+    assert cached.features.prefix_states is not None and plain.features.prefix_states is None
     assert_same_updates(cached.model, plain.model, make())
     # block 0 ran in the feature pass only (once per batch of the data) and the start-of-training probe (on a few
     # rows), never in a training step
@@ -87,7 +87,7 @@ def test_lp_then_ft_trains_both_phases_on_the_cached_states(digits, tmp_path):
     plain = make_trainer(tiny_vit(), data, tmp_path / "p", lp_steps=2, max_steps=5, cache_features=False)
     cached.train()
     plain.train()
-    assert cached._prefix_states is not None  # auto: no transform, no dropout problem, nothing below trains
+    assert cached.features.prefix_states is not None  # auto: no transform, no dropout problem, nothing below trains
     assert_same_updates(cached.model, plain.model, tiny_vit())
 
 
@@ -114,7 +114,7 @@ def test_frozen_blocks_run_in_eval_mode_cached_or_not(digits, tmp_path):
     assert modes == {"frozen": {False}, "trained": {True}}
     cached = make_trainer(tiny_vit(attention_probs_dropout_prob=0.2), data, tmp_path / "c")
     cached.train()
-    assert cached._prefix_states is not None
+    assert cached.features.prefix_states is not None
     assert_same_updates(cached.model, plain.model, tiny_vit(attention_probs_dropout_prob=0.2))
 
 
@@ -140,7 +140,7 @@ def test_feature_pass_is_paid_once_per_process_and_reused_for_evaluation(digits,
     plain.model.load_state_dict(trainer.model.state_dict())
     cached_eval = trainer.evaluate()
     plain_eval = plain.evaluate(held_out)
-    assert plain._prefix_states is None and len(calls) == passes
+    assert plain.features.prefix_states is None and len(calls) == passes
     assert math.isclose(cached_eval["eval_loss"], plain_eval["eval_loss"], rel_tol=1e-5)
 
 
@@ -166,7 +166,7 @@ def test_falls_back_with_the_reason_logged(digits, tmp_path):
             if data is ragged:
                 trainer.data_collator = pad_to_longest
             trainer.train()
-        assert trainer._prefix_states is None and reason in cl.out and "not cached" in cl.out, reason
+        assert trainer.features.prefix_states is None and reason in cl.out and "not cached" in cl.out, reason
     with pytest.raises(ValueError, match="cache_features=True, but parameters below block 2 train"):
         make_trainer(tiny_gpt2(n_layer=3), make_token_dataset(n=32), tmp_path, cache_features=True).train()
     with pytest.raises(ValueError, match="cache_features=True with trainable_blocks=None"):
@@ -179,7 +179,7 @@ def test_states_over_the_memory_bound_go_to_a_temporary_folder_never_the_output_
     cached = make_trainer(tiny_vit(), data, out, cache_features_max_memory_gb=1e-6, cache_features_max_disk_gb=1)
     cached.train()
     (folder,) = _FOLDERS
-    assert cached._prefix_states.folder == folder and not Path(folder).is_relative_to(out)
+    assert cached.features.prefix_states.folder == folder and not Path(folder).is_relative_to(out)
     plain = make_trainer(tiny_vit(), data, tmp_path / "p", cache_features=False)
     plain.train()
     assert_same_updates(cached.model, plain.model, tiny_vit())

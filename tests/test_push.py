@@ -18,7 +18,8 @@ from transformers import TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main as cli_main
-from hf_dp_repr.hub import HubAccessError, check_hub_access, create_repo, upload_run
+from hf_dp_repr.errors import HubAccessError
+from hf_dp_repr.hub import check_hub_access, create_repo, upload_run
 from hf_dp_repr.hub.card import format_epsilon
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import free_port, make_token_dataset

@@ -50,7 +50,7 @@ def test_noise_and_batches_do_not_depend_on_the_trainer_seed(digits, tmp_path):
     trainer7, a = run(data, tmp_path / "a", seed=7, noise_seed=5, noise_multiplier=1.0)
     trainer8, b = run(data, tmp_path / "b", seed=8, noise_seed=5, noise_multiplier=1.0)
     assert torch.equal(a[0], b[0])  # only noise_seed reproduces a run's DP draws
-    assert trainer7.ledger.randomness == "seeded"
+    assert trainer7.ledger.plan.randomness == "seeded"
     _, c = run(data, tmp_path / "c", seed=7, noise_seed=6, noise_multiplier=1.0)
     assert relative_difference(a[0], c[0]) > 0.1
 
@@ -70,8 +70,8 @@ def test_seeded_run_is_marked_not_private(digits, tmp_path, caplog):
 def test_the_secret_is_stored_nowhere(digits, tmp_path):
     trainer, _ = run(digits["train"].select(range(64)), tmp_path, steps=2, save_strategy="steps", save_steps=1)
     trainer.save_model()
-    assert trainer.ledger.randomness == "os-entropy"
-    secrets = {str(trainer._randomness._secret), str(trainer._randomness.sampling_seed())}
+    assert trainer.ledger.plan.randomness == "os-entropy"
+    secrets = {str(trainer.engine.randomness._secret), str(trainer.engine.randomness.sampling_seed())}
     secrets |= {s[:12] for s in secrets}
     written = 0
     for folder, _, files in os.walk(tmp_path):

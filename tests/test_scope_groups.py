@@ -8,7 +8,8 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.scope import ScopeError, phase_scopes
+from hf_dp_repr.errors import DPConfigError, ScopeError
+from hf_dp_repr.scope import phase_scopes
 from hf_dp_repr.scope.groups import select_groups
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
 from utils import make_token_classification_dataset, make_token_dataset
@@ -86,7 +87,7 @@ def test_lp_then_groups_trains_the_head_first(digits, tmp_path):
 def test_trainable_table_shows_the_selection(digits, tmp_path):
     logger = logging.get_logger("hf_dp_repr.trainer")
     with CaptureLogger(logger) as cl:
-        train(tiny_vit(), digits["train"].select(range(64)), tmp_path, trainable_groups="norms,head")
+        train(tiny_vit(), digits["train"].select(range(64)), tmp_path, trainable_groups="norms,head", log_level="info")
     assert "trains norms + head (classifier)" in cl.out
     # 9 LayerNorms of width 64 (2 per block + the final one), weight and bias each, + the 64×10 head and its bias
     assert re.search(rf"trainable\s+{9 * 2 * 64 + 650:,}  of 136,138", cl.out)
@@ -107,3 +108,77 @@ def test_bad_selections_name_the_argument_and_the_valid_values(digits, tmp_path)
         DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
     with pytest.raises(ScopeError, match="'biases' selects no parameters in LlamaForCausalLM"):
         select_groups(tiny_llama(), "biases")
+
+
+# ---- one vocabulary: trainable_blocks=k is the short form of trainable_groups="last:k,final,head" ----------------
+SPELLED = {  # dropout in every block, so that a frozen block run in train mode would change the update
+    "vit": (lambda: tiny_vit(attention_probs_dropout_prob=0.2), "digits"),
+    "bert": (lambda: tiny_bert_classifier(num_hidden_layers=3, hidden_dropout_prob=0.2), "labelled_tokens"),
+    "gpt2": (lambda: tiny_gpt2(n_layer=3, resid_pdrop=0.2), "tokens"),  # a head tied to wte: nothing is cached
+}
+
+
+def trained(make, dataset, tmp_path, **kw):
+    args = DPTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, learning_rate=1e-2,
+                               noise_multiplier=0.5, accountant="rdp", max_steps=2, report_to="none",
+                               save_strategy="no", disable_tqdm=True, seed=0, noise_seed=0, **kw)
+    trainer = DPTrainer(model=make(), args=args, train_dataset=dataset)
+    names = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    trainer.train()
+    return trainer, names
+
+
+@pytest.mark.parametrize("name,k", [("vit", 1), ("vit", 0), ("bert", 2), ("gpt2", 1)])
+def test_trainable_blocks_is_the_short_form_of_last_k_final_head(name, k, digits, tmp_path):
+    make, kind = SPELLED[name]
+    data = dataset_for(kind, digits)
+    short, short_names = trained(make, data, tmp_path / "blocks", trainable_blocks=k)
+    spec = f"last:{k},final,head" if k else "head"  # k = 0: the linear probe
+    long, long_names = trained(make, data, tmp_path / "groups", trainable_groups=spec)
+    assert short_names == long_names
+    # the same frozen-prefix handling: eval mode and the same caches (the prefix's states, or the probe's inputs)
+    assert (short.features.prefix_states is None, short.features.cached_head) == (long.features.prefix_states is None, long.features.cached_head)
+    if name == "vit":
+        assert (long.features.prefix_states is not None) if k else (long.features.cached_head == "classifier")
+    for (n, a), b in zip(short.model.named_parameters(), long.model.parameters()):
+        assert torch.equal(a, b), n  # the same update, bit for bit (same seeds, same noise)
+
+
+def test_final_names_the_modules_after_the_stack():
+    cases = {"vit": (tiny_vit(), "vit.layernorm."), "gpt2": (tiny_gpt2(), "transformer.ln_f."),
+             "bert": (tiny_bert_classifier(), "bert.pooler."), "llama": (tiny_llama(), "model.norm.")}
+    for name, (model, prefixes) in cases.items():
+        scope = select_groups(model, "final")
+        chosen = {id(p) for p in scope.parameters}
+        got = {n for n, p in model.named_parameters() if id(p) in chosen}
+        assert got and got == {n for n, _ in model.named_parameters() if n.startswith(prefixes)}, name
+    assert select_groups(tiny_vit(), "last:1,final").description == \
+        "blocks 3 of 4 (vit.layers) + final (vit.layernorm)"
+
+
+def test_head_alone_is_the_linear_probe(tmp_path):
+    scope = select_groups(tiny_vit(), "head")
+    assert scope.head_only and scope.description == "linear probe: head (classifier)"
+    with pytest.raises(DPConfigError, match="lp_steps with trainable_groups='head'.*linear-probe twice"):
+        DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, trainable_groups="head", lp_steps=2)
+
+
+def test_a_registered_group_is_a_selector_like_the_others(tmp_path):
+    from hf_dp_repr.scope.groups import GROUPS, register_group
+
+    @register_group("embeddings")
+    def embeddings(model, stack):
+        return list(model.base_model.embeddings.parameters()), "embeddings"
+
+    try:
+        DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, trainable_groups="embeddings,head")
+        model = tiny_vit()
+        scope = select_groups(model, "embeddings,head")
+        assert scope.description == "embeddings + head (classifier)"
+        chosen = {id(p) for p in scope.parameters}
+        assert {n for n, p in model.named_parameters() if id(p) in chosen} == {
+            n for n, _ in model.named_parameters() if n.startswith(("vit.embeddings.", "classifier."))}
+    finally:
+        del GROUPS["embeddings"]
+    with pytest.raises(ScopeError, match="unknown selector 'embeddings'"):
+        select_groups(tiny_vit(), "embeddings")

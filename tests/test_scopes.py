@@ -7,7 +7,8 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.scope import ScopeError, find_block_stack, select_scope
+from hf_dp_repr.errors import ScopeError
+from hf_dp_repr.scope import find_block_stack, select_scope
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
 from utils import StopAt, make_token_classification_dataset, make_token_dataset
 
@@ -141,15 +142,15 @@ def test_lp_then_ft_spends_exactly_the_target_and_continues_from_the_probe(fract
     trainer = DPTrainer(model=model, args=args, train_dataset=digits["train"].select(range(400)), callbacks=[snap])
     trainer.train()
     ledger = trainer.ledger
-    assert [p.name for p in ledger.phases] == ["linear_probe", "fine_tune"]
-    assert [p.steps for p in ledger.phases] == [3, 5]
-    assert [p.expected_batch_size for p in ledger.phases] == [32, 16]
+    assert [p.name for p in ledger.plan.phases] == ["linear_probe", "fine_tune"]
+    assert [p.steps for p in ledger.plan.phases] == [3, 5]
+    assert [p.expected_batch_size for p in ledger.plan.phases] == [32, 16]
     assert 0.99 * 2.0 <= trainer.epsilon() <= 2.0
     by_phase = ledger.epsilon_by_phase()
     if fraction is not None:
         assert by_phase["linear_probe"] == pytest.approx(0.3 * 2.0, rel=0.01)
     else:
-        assert ledger.phases[0].noise_multiplier == ledger.phases[1].noise_multiplier
+        assert ledger.plan.phases[0].noise_multiplier == ledger.plan.phases[1].noise_multiplier
     logged = [h for h in trainer.state.log_history if "epsilon_fine_tune" in h]
     assert logged and logged[-1]["epsilon_linear_probe"] == pytest.approx(by_phase["linear_probe"])
     head1, block1 = snap.taken

@@ -19,6 +19,7 @@ from hf_dp_repr.scripts import causal_lm as lm_recipe
 from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.scripts import text_classification as text_recipe
 from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.scripts.arguments import given_options, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_ARGUMENTS = [image_classification.ImageArguments, causal_lm.LMArguments, text_classification.TextArguments]
@@ -66,7 +67,6 @@ def test_config_file_then_command_line_and_the_given_options(tmp_path):
                                          ["--config", str(cfg), "--output_dir", "o", "--target_epsilon", "3"])
     assert script.dataset_name == "from_yaml" and train.target_epsilon == 3 and script.config == str(cfg)
     assert arguments.given_options(["--config", str(cfg), "--seed=1"]) == {"dataset_name", "target_epsilon", "seed"}
-    assert utils.parse_args is arguments.parse_args  # the old home still works
 
 
 def test_dataset_helpers_name_the_flag_to_set():
@@ -140,13 +140,13 @@ def test_config_file_is_expanded_and_the_command_line_wins(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("target_epsilon: 2\ntarget_delta: 1.0e-5\nreport_to: [none]\npublic_fraction: 0.25\n"
                    "analyze_representations: true\noutput_dir: from_yaml\n")
-    margs, targs = ru.parse_args((image_recipe.ImageArguments, DPTrainingArguments),
+    margs, targs = parse_args((image_recipe.ImageArguments, DPTrainingArguments),
                                  ["--config", str(cfg), "--target_epsilon", "8"])
     assert targs.target_epsilon == 8 and targs.target_delta == 1e-5 and targs.output_dir == "from_yaml"
     assert margs.public_fraction == 0.25 and margs.analyze_representations is True and margs.config == str(cfg)
     cfg.write_text("no_such_option: 1\ntarget_epsilon: 1\n")
     with pytest.raises(ValueError, match="no_such_option"):
-        ru.parse_args((image_recipe.ImageArguments, DPTrainingArguments), ["--config", str(cfg)])
+        parse_args((image_recipe.ImageArguments, DPTrainingArguments), ["--config", str(cfg)])
 
 
 def test_every_shipped_config_parses():
@@ -161,7 +161,7 @@ def test_every_shipped_config_parses():
         recipe = by_file[named.group(1)] if named else image_recipe
         values = yaml.safe_load(cfg.read_text())
         budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
-        ru.parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
+        parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
 
 
 def test_accuracy_metric_works_without_the_hub(monkeypatch):
@@ -207,7 +207,7 @@ def test_recipes_log_epsilon_about_twenty_times_unless_told(tmp_path):
     assert args.logging_steps == 7
     cfg = tmp_path / "c.yaml"
     cfg.write_text("logging_strategy: epoch\n")
-    assert ru.given_options(["--config", str(cfg), "--seed=3"]) == {"logging_strategy", "seed"}
+    assert given_options(["--config", str(cfg), "--seed=3"]) == {"logging_strategy", "seed"}
 
 
 def test_only_the_main_process_logs():

@@ -160,6 +160,17 @@ def test_default_space_gives_valid_dp_arguments_for_every_draw(digits, tmp_path)
     assert (0, None) in seen and (None, "biases,head") in seen and (None, None) in seen
 
 
+def test_trainable_scope_is_all_an_int_k_or_a_groups_spec():
+    from hf_dp_repr.tuning.search import scope_arguments
+
+    assert scope_arguments("all") == {"trainable_blocks": None, "trainable_groups": None}
+    assert scope_arguments(2) == {"trainable_blocks": 2, "trainable_groups": None}  # the short form of ...
+    assert scope_arguments("last:2,final,head") == {"trainable_blocks": None, "trainable_groups": "last:2,final,head"}
+    assert scope_arguments("2") == {"trainable_blocks": None, "trainable_groups": "2"}  # a string: block index 2
+    with pytest.warns(DeprecationWarning, match="'blocks:2' is the old spelling of trainable_scope=2"):
+        assert scope_arguments("blocks:2") == scope_arguments(2)
+
+
 # ---- a private search releases its best trial and nothing else ----------------------------------------------------
 MADE = []  # every model model_init made (module-level: not reachable from the trainer through model_init)
 

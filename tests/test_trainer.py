@@ -34,7 +34,7 @@ def test_replace_one_accounting_through_the_trainer(digits, tmp_path):
     trainer = DPTrainer(model=tiny_vit(num_labels=10), args=args, train_dataset=data)
     out = trainer.train()
     led = trainer.ledger
-    assert led.neighboring == "replace_one" and led.to_dict()["neighboring"] == "replace_one"
+    assert led.plan.neighboring == "replace_one" and led.to_dict()["neighboring"] == "replace_one"
     assert out.metrics["epsilon"] == compute_epsilon(led.history, 1e-4, "pld", "replace_one") <= 2.0
     assert compute_epsilon(led.history, 1e-4, "pld") < out.metrics["epsilon"]  # add/remove is smaller
 
@@ -99,7 +99,7 @@ def test_a_one_example_dataset_is_full_batch_dp_sgd_without_warnings(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # was: divide by zero in the PRV accountant
         trainer.train()
-    phase = trainer.ledger.phases[0]
+    phase = trainer.ledger.plan.phases[0]
     assert phase.sample_rate == 1.0 and trainer.ledger.steps_done == 3
     # No amplification by sampling at q = 1; replace-one (the default) moves the sum by up to 2C: σ/2 for add/remove.
     assert trainer.ledger.plan.neighboring == "replace_one"

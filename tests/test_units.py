@@ -28,7 +28,7 @@ def summed_update(dataset, tmp_path, per_device, accumulation, clip, name="run",
         report_to="none", save_strategy="no", disable_tqdm=True, seed=3, noise_seed=3, target_delta=1e-3, **kw)
     trainer = DPTrainer(model=tiny_vit(num_labels=10, seed=0), args=args, train_dataset=dataset, callbacks=[capture])
     trainer.train()
-    assert trainer.ledger.phases[0].sample_rate == 1.0
+    assert trainer.ledger.plan.phases[0].sample_rate == 1.0
     L = trainer.ledger.expected_batch_size
     return {n: g * L for n, g in capture.grads.items()}, trainer
 
@@ -41,7 +41,7 @@ def test_unit_gradients_are_summed_then_clipped_across_micro_batches(digits, tmp
     want = brute_force_unit_sum(data, 2.0)
     rel = norm_of_difference(got, want) / torch.sqrt(sum((w.double() ** 2).sum() for w in want.values())).item()
     assert rel < 1e-4
-    assert trainer.ledger.dataset_size == 6 and trainer.ledger.privacy_unit == "user_id"
+    assert trainer.ledger.plan.dataset_size == 6 and trainer.ledger.plan.privacy_unit == "user_id"
 
 
 @pytest.mark.parametrize("removed", ["big", "solo"])
@@ -55,7 +55,7 @@ def test_removing_a_unit_moves_the_sigma0_update_by_at_most_C_over_L(removed, di
     neighbour = user_dataset(digits).select(keep)
     assert list(neighbour["user_id"]) == rest
     less, trainer = summed_update(neighbour, tmp_path, per_device=5, accumulation=1, clip=clip, name="less")
-    assert trainer.ledger.dataset_size == 5
+    assert trainer.ledger.plan.dataset_size == 5
     assert norm_of_difference(full, less) <= clip * (1 + 1e-4)
     assert norm_of_difference(full, less) >= clip * 0.99  # the unit did contribute: the bound is tight here
 
@@ -110,7 +110,7 @@ def test_card_ledger_and_logs_name_the_unit(digits, tmp_path, caplog):
     with caplog.at_level("INFO"):  # the plan is an INFO line
         trainer.train()
     led = trainer.ledger
-    assert led.dataset_size == 6 and led.sample_rate == pytest.approx(2 / 6) and led.privacy_unit == "user_id"
+    assert led.plan.dataset_size == 6 and led.sample_rate == pytest.approx(2 / 6) and led.plan.privacy_unit == "user_id"
     assert "unit of privacy: one user (all rows sharing a user_id), 6 units" in caplog.text
     trainer.save_model()
     card = write_model_card(trainer, args.output_dir).content

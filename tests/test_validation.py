@@ -10,7 +10,8 @@ from datasets import Dataset, IterableDataset
 from transformers import DataCollatorWithFlattening
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.privacy.validation import NotPrivatizableError, check_one_row_per_example
+from hf_dp_repr.errors import NotPrivatizableError
+from hf_dp_repr.privacy.validation import check_one_row_per_example
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import dp_args
 

@@ -64,7 +64,7 @@ def run_one_step(model, dataset, tmp_path, **dp_kwargs):
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=dataset, callbacks=[capture])
     trainer.train()
-    sampler = trainer._batch_sampler
+    sampler = trainer.engine.sampler
     sampler.set_epoch(0)
     batch = [i for chunk in list(sampler)[:ACCUMULATION] for i in chunk]
     return capture.grads, batch

@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ArgumentTypeError, DataError
+
 
 def as_float64_matrix(x: Any, name: str = "features") -> torch.Tensor:
     """`x` (n × d array or tensor) as a float64 tensor, on its own device (CPU for numpy; MPS has no float64)."""
@@ -19,19 +21,20 @@ def as_float64_matrix(x: Any, name: str = "features") -> torch.Tensor:
         try:
             t = torch.as_tensor(np.asarray(x, dtype=np.float64))
         except (TypeError, ValueError) as err:
-            raise TypeError(f"`{name}` must be a numeric n × d array or tensor, got {type(x).__name__}") from err
+            raise ArgumentTypeError(f"`{name}` must be a numeric n × d array or tensor, got "
+                                    f"{type(x).__name__}") from err
     if t.ndim == 1:
-        raise ValueError(f"`{name}` must be 2-D (n examples × d dims), got shape {tuple(t.shape)}; "
-                         f"for a single feature pass `{name}.reshape(-1, 1)`")
+        raise DataError(f"`{name}` must be 2-D (n examples × d dims), got shape {tuple(t.shape)}; "
+                        f"for a single feature pass `{name}.reshape(-1, 1)`")
     if t.ndim != 2:
-        raise ValueError(f"`{name}` must be 2-D (n examples × d dims), got shape {tuple(t.shape)}; "
-                         f"flatten or pool the extra dimensions first")
+        raise DataError(f"`{name}` must be 2-D (n examples × d dims), got shape {tuple(t.shape)}; "
+                        f"flatten or pool the extra dimensions first")
     if t.shape[0] == 0 or t.shape[1] == 0:
-        raise ValueError(f"`{name}` is empty (shape {tuple(t.shape)}); pass at least one example with one dim")
+        raise DataError(f"`{name}` is empty (shape {tuple(t.shape)}); pass at least one example with one dim")
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).any(dim=1).sum())
-        raise ValueError(f"`{name}` has non-finite values (NaN or inf) in {bad} row(s); "
-                         f"drop those rows or fix the model producing them (e.g. fp16 overflow)")
+        raise DataError(f"`{name}` has non-finite values (NaN or inf) in {bad} row(s); "
+                        f"drop those rows or fix the model producing them (e.g. fp16 overflow)")
     return t
 
 
@@ -39,15 +42,15 @@ def as_int_labels(y: Any, n: int, name: str = "labels", device: torch.device | N
     """`y` as a 1-D int64 tensor of length `n` on `device`."""
     t = y.detach() if isinstance(y, torch.Tensor) else torch.as_tensor(np.asarray(y))
     if t.ndim != 1:
-        raise ValueError(f"`{name}` must be 1-D (one integer class per example), got shape {tuple(t.shape)}; "
-                         f"for one-hot labels pass `{name}.argmax(1)`")
+        raise DataError(f"`{name}` must be 1-D (one integer class per example), got shape {tuple(t.shape)}; "
+                        f"for one-hot labels pass `{name}.argmax(1)`")
     if t.is_floating_point():
         if not bool((t == t.round()).all()):
-            raise ValueError(f"`{name}` must hold integer class ids, got non-integer floats")
+            raise DataError(f"`{name}` must hold integer class ids, got non-integer floats")
     elif t.dtype == torch.bool or t.is_complex():
-        raise ValueError(f"`{name}` must hold integer class ids, got dtype {t.dtype}")
+        raise DataError(f"`{name}` must hold integer class ids, got dtype {t.dtype}")
     if t.shape[0] != n:
-        raise ValueError(f"`features` has {n} rows but `{name}` has {t.shape[0]}; pass one {name[:-1]} per row")
+        raise DataError(f"`features` has {n} rows but `{name}` has {t.shape[0]}; pass one {name[:-1]} per row")
     return t.to(device=device, dtype=torch.int64)
 
 
@@ -58,11 +61,11 @@ def as_float64_targets(y: Any, n: int, name: str = "targets", device: torch.devi
     if t.ndim == 1:
         t = t[:, None]
     if t.ndim != 2:
-        raise ValueError(f"`{name}` must be 1-D (scalar target) or 2-D (n × outputs), got shape {tuple(t.shape)}")
+        raise DataError(f"`{name}` must be 1-D (scalar target) or 2-D (n × outputs), got shape {tuple(t.shape)}")
     if t.shape[0] != n:
-        raise ValueError(f"`features` has {n} rows but `{name}` has {t.shape[0]}; pass one target per row")
+        raise DataError(f"`features` has {n} rows but `{name}` has {t.shape[0]}; pass one target per row")
     if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"`{name}` has non-finite values (NaN or inf); drop those rows")
+        raise DataError(f"`{name}` has non-finite values (NaN or inf); drop those rows")
     return t
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError, DataError, MissingColumnError
+
 VISION, LANGUAGE, TEXT = "image-classification", "causal-lm", "text-classification"
 TASKS = (VISION, LANGUAGE, TEXT)
 LABELLED = (VISION, TEXT)  # measured against a class label per example (D and PR), not against the next token
@@ -25,22 +27,22 @@ def is_hf_dataset(data: Any) -> bool:
 def iter_batches(data: Any, batch_size: int, max_examples: int | None) -> tuple[Iterator[Mapping], int | None]:
     """(iterator of batch dicts, number of batches or None if unknown), stopping after `max_examples` rows."""
     if batch_size < 1:
-        raise ValueError(f"`batch_size` must be ≥ 1, got {batch_size}")
+        raise ArgumentError(f"`batch_size` must be ≥ 1, got {batch_size}")
     if max_examples is not None and max_examples < 1:
-        raise ValueError(f"`max_examples` must be ≥ 1 or None, got {max_examples}")
+        raise ArgumentError(f"`max_examples` must be ≥ 1 or None, got {max_examples}")
     if is_hf_dataset(data):
         import datasets
 
         if isinstance(data, datasets.Dataset):
             n = len(data) if max_examples is None else min(len(data), max_examples)
             if n == 0:
-                raise ValueError("the analysis dataset is empty; pass a dataset with at least one row")
+                raise DataError("the analysis dataset is empty; pass a dataset with at least one row")
             return data.select(range(n)).iter(batch_size=batch_size), -(-n // batch_size)
         data = data if max_examples is None else data.take(max_examples)
         return data.iter(batch_size=batch_size), None
     if isinstance(data, Mapping) or not isinstance(data, Iterable):
-        raise TypeError("`dataset` must be a 🤗 Dataset/IterableDataset or an iterable of batch dicts "
-                        f"(e.g. a DataLoader), got {type(data).__name__}")
+        raise ArgumentTypeError("`dataset` must be a 🤗 Dataset/IterableDataset or an iterable of batch dicts "
+                                f"(e.g. a DataLoader), got {type(data).__name__}")
     total = len(data) if hasattr(data, "__len__") else None
     return _truncate(data, max_examples), total
 
@@ -64,7 +66,8 @@ def batch_size_of(batch: Mapping) -> int:
     for key in ("pixel_values", "input_ids"):
         if key in batch:
             return len(batch[key])
-    raise KeyError(f"a batch needs `pixel_values` (vision) or `input_ids` (language); got keys {sorted(batch)}")
+    raise MissingColumnError("a batch needs `pixel_values` (vision) or `input_ids` (language); got keys "
+                             f"{sorted(batch)}")
 
 
 def detect_task(batch: Mapping) -> str:
@@ -72,8 +75,8 @@ def detect_task(batch: Mapping) -> str:
         return VISION
     if "input_ids" in batch:
         return LANGUAGE
-    raise KeyError(f"cannot tell the task from columns {sorted(batch)}: expected `pixel_values` (vision) or "
-                   "`input_ids` (language); preprocess the dataset or pass `task=`")
+    raise MissingColumnError(f"cannot tell the task from columns {sorted(batch)}: expected `pixel_values` (vision) or "
+                             "`input_ids` (language); preprocess the dataset or pass `task=`")
 
 
 def to_tensor(values: Any) -> torch.Tensor:

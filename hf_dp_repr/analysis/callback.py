@@ -38,6 +38,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..errors import ArgumentError
 from .features import analyze_representations
 from .plots import plot_laws
 from .report import RepresentationReport
@@ -113,11 +114,11 @@ class RepresentationLawCallback(TrainerCallback):
         if dataset is None:
             eval_dataset = getattr(self.trainer, "eval_dataset", None)
             if eval_dataset is None:
-                raise ValueError("RepresentationLawCallback has nothing to analyse: pass `analysis_dataset=` or "
-                                 "give the trainer an `eval_dataset` (and the callback the trainer)")
+                raise ArgumentError("RepresentationLawCallback has nothing to analyse: pass `analysis_dataset=` or "
+                                    "give the trainer an `eval_dataset` (and the callback the trainer)")
             if isinstance(eval_dataset, dict):
-                raise ValueError(f"the trainer has several eval sets {sorted(eval_dataset)}; pick one with "
-                                 "`analysis_dataset=`")
+                raise ArgumentError(f"the trainer has several eval sets {sorted(eval_dataset)}; pick one with "
+                                    "`analysis_dataset=`")
             dataset = eval_dataset
         if self.trainer is not None and _same_dataset(dataset, getattr(self.trainer, "train_dataset", None)):
             warnings.warn(TRAIN_SET_WARNING, UserWarning, stacklevel=3)
@@ -126,7 +127,7 @@ class RepresentationLawCallback(TrainerCallback):
 
     def _analyse(self, event: str, args, state, model) -> None:
         if model is None:
-            raise ValueError("RepresentationLawCallback got no `model` from the trainer")
+            raise ArgumentError("RepresentationLawCallback got no `model` from the trainer")
         report = analyze_representations(model, self._dataset, progress=False, **self.analyze_kwargs)
         self._log(report.metrics(self.metric_prefix), state)
         self.history.append({"event": event, "step": state.global_step, "epoch": state.epoch,

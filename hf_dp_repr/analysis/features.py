@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import ArgumentError, DataError, MissingColumnError
 from .batches import LABELLED, TASKS, TEXT, VISION, batch_size_of, detect_task, iter_batches, language_inputs, to_tensor
 from .law import fuzziness_law, residual_law
 from .report import RepresentationReport
@@ -80,9 +81,9 @@ def analyze_representations(
         progress: show a tqdm bar; default: only for runs of more than 20 batches.
     """
     if task not in ("auto", *TASKS):
-        raise ValueError(f"`task` must be 'auto' or one of {TASKS}, got {task!r}")
+        raise ArgumentError(f"`task` must be 'auto' or one of {TASKS}, got {task!r}")
     if pooling not in POOLINGS:
-        raise ValueError(f"`pooling` must be one of {POOLINGS}, got {pooling!r}")
+        raise ArgumentError(f"`pooling` must be one of {POOLINGS}, got {pooling!r}")
     sep: list[SeparationStats] = []
     res: list[ResidualStats] = []
     examples = positions = 0
@@ -100,8 +101,8 @@ def analyze_representations(
             stats.update(feats, labels)
         positions += len(labels)
     if not res:
-        raise ValueError("no rows to analyse: the dataset is empty or has no predicted positions "
-                         "(language sequences need at least 2 non-padding tokens)")
+        raise DataError("no rows to analyse: the dataset is empty or has no predicted positions "
+                        "(language sequences need at least 2 non-padding tokens)")
     dim = max(stats.dim for stats in res)
     unreliable = {}
     if positions <= dim + 1:  # the residual of an exact fit: reported, but flagged and withheld from tables
@@ -155,7 +156,7 @@ def extract_features(
         chunks.append(layers[0].float().cpu().numpy())
         targets.append(labels.cpu().numpy())
     if not chunks:
-        raise ValueError("no rows to extract: the dataset is empty")
+        raise DataError("no rows to extract: the dataset is empty")
     return np.concatenate(chunks), np.concatenate(targets)
 
 
@@ -186,15 +187,15 @@ def _hidden_states(model, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Ten
     out = model(**inputs, output_hidden_states=True, return_dict=True)
     hidden = getattr(out, "hidden_states", None)
     if hidden is None:
-        raise ValueError(f"{type(model).__name__} returned no `hidden_states` for output_hidden_states=True; "
-                         "use a 🤗 model that supports it")
+        raise ArgumentError(f"{type(model).__name__} returned no `hidden_states` for output_hidden_states=True; "
+                            "use a 🤗 model that supports it")
     return hidden
 
 
 def _vision(model, batch, device, pooling, label_column, only_layer):
     if label_column not in batch:
-        raise KeyError(f"vision analysis needs class ids in column `{label_column}`; got {sorted(batch)} "
-                       "(set `label_column=`)")
+        raise MissingColumnError(f"vision analysis needs class ids in column `{label_column}`; got {sorted(batch)} "
+                                 "(set `label_column=`)")
     pixels = to_tensor(batch["pixel_values"]).to(device=device, dtype=next(model.parameters()).dtype)
     labels = to_tensor(batch[label_column]).to(device).long()
     hidden = _hidden_states(model, {"pixel_values": pixels})
@@ -206,18 +207,18 @@ def _pool(h: torch.Tensor, layer: int, pooling: str) -> torch.Tensor:
     if h.ndim == 4:  # (B, C, H, W) feature maps of conv nets
         return h.mean(dim=(2, 3))
     if h.ndim != 3:
-        raise ValueError(f"hidden state {layer} has shape {tuple(h.shape)}; expected (B, tokens, d) or (B, C, H, W)")
+        raise DataError(f"hidden state {layer} has shape {tuple(h.shape)}; expected (B, tokens, d) or (B, C, H, W)")
     if pooling == "mean" or layer == 0:
         if h.shape[1] < 2:
-            raise ValueError(f"hidden state {layer} has a single token; use pooling='cls'")
+            raise ArgumentError(f"hidden state {layer} has a single token; use pooling='cls'")
         return h[:, 1:].mean(dim=1)
     return h[:, 0]
 
 
 def _text(model, batch, device, pooling, label_column, only_layer):
     if label_column not in batch:
-        raise KeyError(f"text classification needs class ids in column `{label_column}`; got {sorted(batch)} "
-                       "(set `label_column=`)")
+        raise MissingColumnError(f"text classification needs class ids in column `{label_column}`; got {sorted(batch)} "
+                                 "(set `label_column=`)")
     ids, mask = language_inputs(batch)
     ids, mask = ids.to(device), mask.to(device)
     labels = to_tensor(batch[label_column]).to(device).long()
@@ -234,7 +235,7 @@ def _pool_text(h: torch.Tensor, mask: torch.Tensor, layer: int, pooling: str) ->
         weights[:, 0] = 0
     count = weights.sum(dim=1, keepdim=True)
     if bool((count == 0).any()):
-        raise ValueError(f"hidden state {layer}: an example has no token to average (only [CLS]); drop empty texts")
+        raise DataError(f"hidden state {layer}: an example has no token to average (only [CLS]); drop empty texts")
     return (h * weights[..., None]).sum(dim=1) / count
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ArgumentError, DataError
 from ._checks import as_float64_matrix, as_int_labels
 
 __all__ = ["knn_predict", "knn_probe"]
@@ -45,20 +46,20 @@ def knn_predict(
     (classes absent from the memory get no vote either way, so predictions do not depend on it).
     """
     if k < 1:
-        raise ValueError(f"`k` must be ≥ 1, got {k}")
+        raise ArgumentError(f"`k` must be ≥ 1, got {k}")
     if temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+        raise ArgumentError(f"`temperature` must be > 0, got {temperature}")
     memory = as_float64_matrix(memory_features, "memory_features")
     queries = as_float64_matrix(query_features, "query_features").to(memory.device)
     labels = as_int_labels(memory_labels, memory.shape[0], "memory_labels", device=memory.device)
     if queries.shape[1] != memory.shape[1]:
-        raise ValueError(f"`query_features` has {queries.shape[1]} dims but `memory_features` has "
-                         f"{memory.shape[1]}; extract both from the same layer")
+        raise DataError(f"`query_features` has {queries.shape[1]} dims but `memory_features` has "
+                        f"{memory.shape[1]}; extract both from the same layer")
     if bool((labels < 0).any()):
-        raise ValueError("`memory_labels` must be non-negative class ids")
+        raise DataError("`memory_labels` must be non-negative class ids")
     if num_classes is not None and int(labels.max()) >= num_classes:
-        raise ValueError(f"`memory_labels` holds class {int(labels.max())}, outside the declared num_classes="
-                         f"{num_classes} (ids 0..{num_classes - 1}); pass the right num_classes")
+        raise DataError(f"`memory_labels` holds class {int(labels.max())}, outside the declared num_classes="
+                        f"{num_classes} (ids 0..{num_classes - 1}); pass the right num_classes")
     memory = torch.nn.functional.normalize(memory, dim=1)
     queries = torch.nn.functional.normalize(queries, dim=1)
     num_classes = num_classes if num_classes is not None else int(labels.max()) + 1

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..errors import ArgumentError, DataError
+
 __all__ = ["LawFit", "fit_law", "fuzziness_law", "residual_law"]
 
 
@@ -77,14 +79,14 @@ def fit_law(values: Sequence[float] | Mapping[int, float], layers: Sequence[int]
     chosen = sorted(table) if layers is None else [int(layer) for layer in layers]
     missing = [layer for layer in chosen if layer not in table]
     if missing:
-        raise ValueError(f"`layers` {missing} have no entry in `values` (layers available: {sorted(table)})")
+        raise ArgumentError(f"`layers` {missing} have no entry in `values` (layers available: {sorted(table)})")
     if len(set(chosen)) < 2:
-        raise ValueError(f"fitting the law needs at least 2 distinct layers, got {chosen}; pass more `values`")
+        raise ArgumentError(f"fitting the law needs at least 2 distinct layers, got {chosen}; pass more `values`")
     y = np.array([table[layer] for layer in chosen], dtype=np.float64)
     bad = [layer for layer, v in zip(chosen, y) if not (np.isfinite(v) and v > 0)]
     if bad:
-        raise ValueError(f"the law is fitted in log space, so values must be positive and finite; layers {bad} "
-                         f"are not ({[table[b] for b in bad]}); leave them out with `layers=`")
+        raise DataError(f"the law is fitted in log space, so values must be positive and finite; layers {bad} "
+                        f"are not ({[table[b] for b in bad]}); leave them out with `layers=`")
     x = np.array(chosen, dtype=np.float64)
     logy = np.log(y)
     slope, intercept = np.polyfit(x, logy, 1)

@@ -24,6 +24,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ..errors import ArgumentError, DataError
 from .report import RepresentationReport
 
 __all__ = ["plot_laws", "plot_umap"]
@@ -36,7 +37,7 @@ def plot_laws(curves: Mapping[str, RepresentationReport], path: str | Path, titl
     law's ρ. Layers whose value is not positive (undefined on a log axis) are left out of the line.
     """
     if not curves:
-        raise ValueError("`curves` is empty; pass at least one {label: RepresentationReport}")
+        raise ArgumentError("`curves` is empty; pass at least one {label: RepresentationReport}")
     panels = [("residual", "prediction residual PR$_l$")]
     if any(r.fuzziness is not None for r in curves.values()):
         panels.insert(0, ("fuzziness", "separation fuzziness D$_l$"))
@@ -83,7 +84,7 @@ def plot_umap(features: Any, labels: Any, path: str | Path, *, title: str | None
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels)
     if x.ndim != 2 or len(x) != len(y):
-        raise ValueError(f"`features` must be n × d and `labels` length n; got {x.shape} and {y.shape}")
+        raise DataError(f"`features` must be n × d and `labels` length n; got {x.shape} and {y.shape}")
     embedding = umap.UMAP(n_components=2, random_state=seed, **umap_kwargs).fit_transform(x)
     fig = Figure(figsize=(5.0, 5.0), layout="constrained")
     ax = fig.subplots()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..errors import DataError
 from ._checks import as_float64_matrix, as_float64_targets, as_int_labels, input_eps
 
 __all__ = ["ResidualStats", "prediction_residual"]
@@ -65,7 +66,7 @@ class ResidualStats:
         if self.num_classes is not None:
             labels = as_int_labels(targets, x.shape[0], "targets", device=x.device)
             if bool(((labels < 0) | (labels >= self.num_classes)).any()):
-                raise ValueError(f"`targets` must be class ids in [0, {self.num_classes}) for one-hot regression")
+                raise DataError(f"`targets` must be class ids in [0, {self.num_classes}) for one-hot regression")
             y = torch.nn.functional.one_hot(labels, self.num_classes).to(torch.float64)
         else:
             y = as_float64_targets(targets, x.shape[0], "targets", device=x.device)
@@ -75,8 +76,8 @@ class ResidualStats:
             self.mean = z.new_zeros(z.shape[1])
             self.scatter = z.new_zeros(z.shape[1], z.shape[1])
         elif z.shape[1] != self.scatter.shape[0]:
-            raise ValueError(f"`features`/`targets` have {x.shape[1]}/{y.shape[1]} columns but earlier batches "
-                             f"had {self.dim}/{self.scatter.shape[0] - self.dim}")
+            raise DataError(f"`features`/`targets` have {x.shape[1]}/{y.shape[1]} columns but earlier batches "
+                            f"had {self.dim}/{self.scatter.shape[0] - self.dim}")
         z = z.to(self.scatter.device)
 
         m, n = z.shape[0], self.num_examples
@@ -92,7 +93,7 @@ class ResidualStats:
     def residual(self) -> float:
         """PR = RSS / TSS of the least-squares fit with intercept; NaN when the targets are constant."""
         if self.scatter is None:
-            raise ValueError("no data: call `update(features, targets)` at least once")
+            raise DataError("no data: call `update(features, targets)` at least once")
         d = self.dim
         sxx, sxy = self.scatter[:d, :d], self.scatter[:d, d:]
         tss = torch.diagonal(self.scatter[d:, d:]).sum()
@@ -147,5 +148,5 @@ def prediction_residual(features: Any, targets: Any, *, one_hot: bool = False) -
         stats = ResidualStats().update(features, targets)
     value = stats.residual()
     if value != value:
-        raise ValueError("`targets` are constant, so PR = RSS / TSS is 0/0; pass varying targets")
+        raise DataError("`targets` are constant, so PR = RSS / TSS is 0/0; pass varying targets")
     return value

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..errors import DataError
 from ._checks import as_float64_matrix, as_int_labels, input_eps
 
 __all__ = ["SeparationStats", "separation_fuzziness"]
@@ -78,7 +79,7 @@ class SeparationStats:
             self.means = x.new_zeros(0, d)
             self.within = x.new_zeros(d, d)
         elif x.shape[1] != self.within.shape[0]:
-            raise ValueError(f"`features` has {x.shape[1]} dims but earlier batches had {self.within.shape[0]}")
+            raise DataError(f"`features` has {x.shape[1]} dims but earlier batches had {self.within.shape[0]}")
         x = x.to(self.within.device)
         y = y.to(self.within.device)
 
@@ -138,7 +139,7 @@ class SeparationStats:
 
     def _require_two_classes(self) -> None:
         if self.num_classes < 2:
-            raise ValueError(
+            raise DataError(
                 f"separation fuzziness needs at least 2 classes in `labels`, got {self.num_classes}; "
                 "analyse a set that contains several classes"
             )
@@ -163,6 +164,6 @@ def separation_fuzziness(features: Any, labels: Any) -> float:
     """
     value = SeparationStats().update(features, labels).fuzziness()
     if value != value:  # NaN
-        raise ValueError("all class means of `features` coincide (SS_b = 0), so D is undefined; "
-                         "check that `labels` match `features` and that the features are not constant")
+        raise DataError("all class means of `features` coincide (SS_b = 0), so D is undefined; "
+                        "check that `labels` match `features` and that the features are not constant")
     return value

@@ -31,19 +31,21 @@ import math
 
 from scipy import optimize, stats
 
+from ..errors import ArgumentError, ArgumentTypeError
+
 
 def _check_counts(m: int, r: int, v: int) -> None:
     if not (isinstance(m, int) and isinstance(r, int) and isinstance(v, int)):
-        raise TypeError(f"m, r, v must be integers, got {m!r}, {r!r}, {v!r}")
+        raise ArgumentTypeError(f"m, r, v must be integers, got {m!r}, {r!r}, {v!r}")
     if not 0 <= v <= r <= m:
-        raise ValueError(f"need 0 <= v (correct) <= r (guesses) <= m (canaries), got v={v}, r={r}, m={m}")
+        raise ArgumentError(f"need 0 <= v (correct) <= r (guesses) <= m (canaries), got v={v}, r={r}, m={m}")
 
 
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """p(ε): an upper bound on P[≥ v of r guesses right] for an (ε, δ)-DP training run (module docstring)."""
     _check_counts(m, r, v)
     if epsilon < 0 or not 0 <= delta <= 1:
-        raise ValueError(f"need epsilon >= 0 and 0 <= delta <= 1, got {epsilon}, {delta}")
+        raise ArgumentError(f"need epsilon >= 0 and 0 <= delta <= 1, got {epsilon}, {delta}")
     q = 1.0 / (1.0 + math.exp(-epsilon))  # accuracy of ε-randomised response
     tail = stats.binom.sf(v - 1, r, q)  # f(v) = P[Binomial(r, q) >= v]
     if delta == 0 or v == 0:
@@ -63,7 +65,7 @@ def one_run_epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: floa
     """
     _check_counts(m, r, v)
     if not 0 < beta < 1:
-        raise ValueError(f"beta (1 - confidence) must be in (0, 1), got {beta}")
+        raise ArgumentError(f"beta (1 - confidence) must be in (0, 1), got {beta}")
     if one_run_p_value(m, r, v, 0.0, delta) > beta:
         return 0.0  # not even ε = 0 is rejected
     hi = 1.0
@@ -81,7 +83,7 @@ def clopper_pearson(successes: int, trials: int, alpha: float = 0.05) -> tuple[f
     (1 when k = n).
     """
     if not (0 <= successes <= trials and trials > 0):
-        raise ValueError(f"need 0 <= successes <= trials and trials > 0, got {successes}/{trials}")
+        raise ArgumentError(f"need 0 <= successes <= trials and trials > 0, got {successes}/{trials}")
     k, n = successes, trials
     lower = 0.0 if k == 0 else float(stats.beta.ppf(alpha, k, n - k + 1))
     upper = 1.0 if k == n else float(stats.beta.ppf(1 - alpha, k + 1, n - k))

@@ -32,6 +32,8 @@ import secrets
 import numpy as np
 from datasets import Dataset, concatenate_datasets
 
+from ..errors import ArgumentError, DPConfigError
+
 CANARY_KINDS = ("mislabelled", "ood")
 
 
@@ -52,9 +54,9 @@ def make_canaries(source: Dataset, m: int, kind: str = "mislabelled", num_labels
     label drawn uniformly among the wrong ones; "ood": uniform noise images in [-1, 1] with uniform labels.
     Which canaries exist is public (only which ones were trained on is secret): `seed` may be public."""
     if kind not in CANARY_KINDS:
-        raise ValueError(f"make_canaries: kind must be one of {CANARY_KINDS}, got {kind!r}")
+        raise ArgumentError(f"make_canaries: kind must be one of {CANARY_KINDS}, got {kind!r}")
     if m <= 0 or m > len(source):
-        raise ValueError(f"make_canaries: m must be in 1..{len(source)} (rows of source), got {m}")
+        raise ArgumentError(f"make_canaries: m must be in 1..{len(source)} (rows of source), got {m}")
     num_labels = num_labels or source.features["labels"].num_classes
     rng = np.random.default_rng(seed)
     rows = source.select(rng.permutation(len(source))[:m].tolist()).with_format("numpy")
@@ -73,7 +75,7 @@ def with_canaries(train: Dataset, canaries: Dataset, included: np.ndarray) -> Da
     """The training set: `train` plus the canaries whose `included` entry is True (appended; batches are
     sampled at random, so the position tells nothing)."""
     if len(included) != len(canaries):
-        raise ValueError(f"with_canaries: {len(included)} inclusion draws for {len(canaries)} canaries")
+        raise ArgumentError(f"with_canaries: {len(included)} inclusion draws for {len(canaries)} canaries")
     chosen = canaries.select(np.flatnonzero(included).tolist())
     return concatenate_datasets([train.with_format(None), chosen.with_format(None)]).with_format("torch")
 
@@ -82,7 +84,7 @@ def guess(losses: np.ndarray, k: int) -> np.ndarray:
     """+1 ("in") for the k lowest losses, −1 ("out") for the k highest, 0 (abstain) for the rest."""
     m = len(losses)
     if not 0 < 2 * k <= m:
-        raise ValueError(f"guess: need 0 < 2k <= m canaries, got k={k}, m={m}")
+        raise ArgumentError(f"guess: need 0 < 2k <= m canaries, got k={k}, m={m}")
     order = np.argsort(losses, kind="stable")
     guesses = np.zeros(m, dtype=np.int64)
     guesses[order[:k]] = 1
@@ -115,9 +117,9 @@ def one_run_audit(losses: np.ndarray, included: np.ndarray, k: int, delta: float
 def check_add_remove(args, caller: str) -> None:
     """Refuse a run whose ε is stated for another relation: a canary is added to or left out of the training set."""
     if args.neighboring != "add_remove":
-        raise ValueError(f"{caller}: each canary is added to or left out of the training set, so the audit tests an "
-                         f"add/remove guarantee; this run claims ε for neighboring={args.neighboring!r}. Audit a run "
-                         "with neighboring='add_remove'.")
+        raise DPConfigError(f"{caller}: each canary is added to or left out of the training set, so the audit tests an "
+                            f"add/remove guarantee; this run claims ε for neighboring={args.neighboring!r}. Audit a "
+                            "run with neighboring='add_remove'.")
 
 
 def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: int, beta: float = 0.05,

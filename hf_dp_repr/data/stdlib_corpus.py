@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 from datasets import Dataset, DatasetDict
 
+from ..errors import ArgumentError, UnsupportedError
+
 logger = logging.getLogger(__name__)
 
 STDLIB_MODULES = (
@@ -67,8 +69,8 @@ def stdlib_docstrings() -> tuple[tuple[str, str], ...]:
                                    if not a.startswith("_") and inspect.isfunction(m))
             docs.extend((name, doc) for doc in map(inspect.getdoc, objects) if doc)
     if sum(len(doc) for _, doc in docs) < 10_000:
-        raise RuntimeError("the stdlib docstrings are missing (is Python running with -OO?); "
-                           "use another text dataset")
+        raise UnsupportedError("the stdlib docstrings are missing (is Python running with -OO?); "
+                               "use another text dataset")
     return tuple(docs)
 
 
@@ -117,8 +119,8 @@ def unique_documents(train: list[str], evals: list[str], indices: bool = False):
 def byte_tokenize(text: str, vocab_size: int) -> list[int]:
     """Byte-level fallback: ASCII-folded UTF-8 bytes as ids (all < 128)."""
     if vocab_size < 128:
-        raise ValueError(f"the byte-level fallback needs a vocabulary of ≥ 128 tokens, the model has {vocab_size}; "
-                         "save a tokenizer with the model")
+        raise ArgumentError(f"the byte-level fallback needs a vocabulary of ≥ 128 tokens, the model has {vocab_size}; "
+                            "save a tokenizer with the model")
     return list(text.encode("ascii", errors="replace"))
 
 
@@ -130,7 +132,7 @@ def load_stdlib_blocks(tokenizer: Any = None, *, vocab_size: int = 128, block_si
     Columns: `input_ids` and `attention_mask` (all ones: blocks are full).
     """
     if block_size < 2:
-        raise ValueError(f"`block_size` must be ≥ 2 (a position and its next token), got {block_size}")
+        raise ArgumentError(f"`block_size` must be ≥ 2 (a position and its next token), got {block_size}")
     paragraphs = stdlib_text().split("\n\n")
     if tokenizer is None:
         ids = byte_tokenize("\n\n".join(paragraphs), vocab_size)
@@ -143,7 +145,7 @@ def load_stdlib_blocks(tokenizer: Any = None, *, vocab_size: int = 128, block_si
     blocks = [ids[i : i + block_size] for i in range(0, len(ids) - block_size + 1, block_size)]
     n_test = max(1, int(len(blocks) * test_fraction))
     if len(blocks) - n_test < 1:
-        raise ValueError(f"`block_size` {block_size} is too large for the corpus ({len(ids)} tokens)")
+        raise ArgumentError(f"`block_size` {block_size} is too large for the corpus ({len(ids)} tokens)")
 
     def split(rows):
         data = {"input_ids": rows, "attention_mask": [[1] * block_size] * len(rows)}
@@ -174,7 +176,7 @@ def load_stdlib_topics(min_examples_per_class: int = 50, min_chars: int = 40, te
     counts = Counter(module for _, module in rows)
     names = [m for m in STDLIB_MODULES if counts[m] >= min_examples_per_class]
     if len(names) < 2:
-        raise ValueError(f"min_examples_per_class={min_examples_per_class} leaves {len(names)} module(s); lower it")
+        raise ArgumentError(f"min_examples_per_class={min_examples_per_class} leaves {len(names)} module(s); lower it")
     rows = [(text, names.index(module)) for text, module in rows if module in names]
     texts, labels = zip(*rows)
     idx_train, idx_test = train_test_split(np.arange(len(rows)), test_size=test_size, random_state=seed,

@@ -8,7 +8,7 @@ needs only privacy (the ledger, the accountant, the unit) and nothing above it.
 `hf_dp_repr.hub` serves the push API and the card's functions, as before the package was arranged by pipeline stage.
 """
 
-from ..errors import HubAccessError
+from .._moved import moved_attribute
 from .card import ModelCardInfo, format_epsilon, refresh_model_card, render_model_card, template_path, write_model_card
 from .push import (
                    check_hub_access,
@@ -24,7 +24,12 @@ from .push import (
                    upload_run,
 )
 
-__all__ = ["HubAccessError", "ModelCardInfo", "check_hub_access", "check_pushable", "create_repo",
+__all__ = ["ModelCardInfo", "check_hub_access", "check_pushable", "create_repo",
            "explained_hub_errors", "files_to_push", "format_epsilon", "is_private_metric", "public_metrics",
            "push_dp_model", "push_run_folder", "refresh_model_card", "render_model_card", "save_public_metrics",
            "template_path", "upload_run", "write_model_card"]
+
+
+def __getattr__(name: str):
+    # HubAccessError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
+    return moved_attribute(__name__, name)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..errors import ArgumentTypeError, LedgerError
 from ..privacy.ledger import LEDGER_FILE
 from .card_values import audit_row, format_epsilon, template_values  # noqa: F401  (format_epsilon: public here)
 from .public_names import cached_hub_id, is_local_path, public_text
@@ -93,8 +94,8 @@ class ModelCardInfo:
         value = dict(value or {})
         unknown = set(value) - {f.name for f in fields(cls)}
         if unknown:
-            raise TypeError(f"model_card_info: unknown field(s) {sorted(unknown)}; ModelCardInfo has "
-                            f"{[f.name for f in fields(cls)]}.")
+            raise ArgumentTypeError(f"model_card_info: unknown field(s) {sorted(unknown)}; ModelCardInfo has "
+                                    f"{[f.name for f in fields(cls)]}.")
         return cls(**{**value, **{k: _as_tuple(value.get(k)) for k in _LISTS}})
 
     def to_dict(self) -> dict:
@@ -107,10 +108,11 @@ class ModelCardInfo:
         `dataset_args` (the Trainer's model-index of results) are refused, as is any other keyword."""
         unknown = sorted(set(kwargs) - set(TRAINER_CARD_ARGS))
         if unknown:
-            raise TypeError(f"DPTrainer: push_to_hub / create_model_card got {unknown}, which the DP model card cannot "
-                            f"state (tasks and dataset_args fill the Trainer's model-index of results, which the DP "
-                            f"card replaces by its own Evaluation table); it takes {sorted(TRAINER_CARD_ARGS)}, "
-                            "hub_model_id, and everything else through model_card_info=ModelCardInfo(...).")
+            raise ArgumentTypeError(f"DPTrainer: push_to_hub / create_model_card got {unknown}, which the DP model "
+                                    "card cannot state (tasks and dataset_args fill the Trainer's model-index of "
+                                    "results, which the DP card replaces by its own Evaluation table); it takes "
+                                    f"{sorted(TRAINER_CARD_ARGS)}, hub_model_id, and everything else through "
+                                    "model_card_info=ModelCardInfo(...).")
         updates = self.to_dict()
         for key, value in kwargs.items():
             field_ = TRAINER_CARD_ARGS[key]
@@ -137,8 +139,8 @@ def write_model_card(trainer, output_dir: str | os.PathLike) -> ModelCard:
     ledger = trainer.ledger.to_dict() if getattr(trainer, "ledger", None) is not None else _load_json(
         output_dir / LEDGER_FILE)
     if ledger is None:
-        raise ValueError(f"write_model_card: the trainer has no privacy ledger and {output_dir / LEDGER_FILE} does "
-                         "not exist; train with DPTrainer before writing a DP model card.")
+        raise LedgerError(f"write_model_card: the trainer has no privacy ledger and {output_dir / LEDGER_FILE} does "
+                          "not exist; train with DPTrainer before writing a DP model card.")
     describe = getattr(trainer, "describe_scope", None)
     scope = describe() if callable(describe) else "all parameters"
     info = ModelCardInfo.from_value(getattr(trainer, "model_card_info", None)).to_dict()
@@ -165,9 +167,9 @@ def refresh_model_card(folder: str | os.PathLike, *, write: bool = True) -> Mode
     try:
         ledger = _load_json(folder / LEDGER_FILE)
     except ValueError as err:
-        raise ValueError(f"{folder / LEDGER_FILE} is not valid JSON ({err}).") from None
+        raise LedgerError(f"{folder / LEDGER_FILE} is not valid JSON ({err}).") from None
     if ledger is None:
-        raise ValueError(f"{folder} has no {LEDGER_FILE}: not a run saved by DPTrainer.")
+        raise LedgerError(f"{folder} has no {LEDGER_FILE}: not a run saved by DPTrainer.")
     meta = {}
     if (folder / CARD_FILE).is_file():
         meta = ModelCard.load(folder / CARD_FILE).data.to_dict().get(META_KEY) or {}

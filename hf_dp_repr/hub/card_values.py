@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 
+from ..privacy.accountants import ACCOUNTANTS
 from ..privacy.units import ROW, describe_unit
 
 RANDOMNESS = {
@@ -78,7 +79,7 @@ def template_values(led: dict, info: dict, scope: str, results: dict | None, law
         delta=f"{led['target_delta']:g}",
         target_epsilon_text=_fmt(target) if target is not None else "none (σ given)",
         accountant=led["accountant"],
-        accountant_text=f"{led['accountant']} ({'dp_accounting' if led['accountant'] == 'pld' else 'Opacus'})",
+        accountant_text=_accountant_text(led["accountant"]),
         sigma_text=sigma_text,
         clip_norm=_fmt(led["per_sample_max_grad_norm"]),
         clipping=led["clipping"],
@@ -189,6 +190,11 @@ def _versions() -> list[tuple[str, str]]:
         except PackageNotFoundError:
             continue
     return out
+
+
+def _accountant_text(name: str) -> str:
+    """'pld (dp_accounting)': the accountant and who computes it (from the registry, where it is registered)."""
+    return f"{name} ({ACCOUNTANTS[name].source})" if name in ACCOUNTANTS else name
 
 
 def format_epsilon(v) -> str:

@@ -41,7 +41,7 @@ import math
 import os
 from pathlib import Path
 
-from ..errors import HubAccessError  # noqa: F401  (defined in errors.py, importable from here as before)
+from ..errors import ArgumentError, DataError, HubAccessError, LedgerError
 from ..privacy.ledger import LEDGER_FILE
 from .card import CARD_FILE, SEARCH_FILE, write_model_card
 
@@ -104,20 +104,20 @@ def check_pushable(folder: str | os.PathLike) -> None:
     folder = Path(folder)
     ledger = folder / LEDGER_FILE
     if not ledger.is_file():
-        raise ValueError(f"push: {folder} has no {LEDGER_FILE}; a DP model is never pushed without the record of its "
-                         "guarantee. Push a folder written by DPTrainer.save_model().")
+        raise LedgerError(f"push: {folder} has no {LEDGER_FILE}; a DP model is never pushed without the record of its "
+                          "guarantee. Push a folder written by DPTrainer.save_model().")
     try:
         json.loads(ledger.read_text())
     except ValueError as err:
-        raise ValueError(f"push: {ledger} is not valid JSON ({err}); re-save the run with DPTrainer.") from None
+        raise LedgerError(f"push: {ledger} is not valid JSON ({err}); re-save the run with DPTrainer.") from None
     for name in METRICS_FILES:
         path = folder / name
         if path.is_file():
             private = sorted(k for k in json.loads(path.read_text()) if is_private_metric(k))
             if private:
-                raise ValueError(f"push: {path} holds {', '.join(private)}, computed on the private data outside "
-                                 "DP-SGD (or, for total_flos, on the secret batch sizes). Remove those keys "
-                                 "(DPTrainer.save_metrics never writes them) and push again.")
+                raise DataError(f"push: {path} holds {', '.join(private)}, computed on the private data outside "
+                                "DP-SGD (or, for total_flos, on the secret batch sizes). Remove those keys "
+                                "(DPTrainer.save_metrics never writes them) and push again.")
 
 
 # ---- access --------------------------------------------------------------------------------------------------------
@@ -227,8 +227,8 @@ def push_dp_model(trainer, repo_id: str | None = None, *, commit_message: str = 
         return None
     folder = Path(args.output_dir)
     if trainer.ledger is None and not (folder / LEDGER_FILE).exists():
-        raise ValueError("push_dp_model: no privacy ledger (train with DPTrainer and save_model() first); a DP "
-                         "model is never pushed without the record of its guarantee.")
+        raise LedgerError("push_dp_model: no privacy ledger (train with DPTrainer and save_model() first); a DP "
+                          "model is never pushed without the record of its guarantee.")
     check_pushable(folder)  # before the card is written: nothing written on error
     repo_id = repo_id or args.hub_model_id or folder.resolve().name
     repo_id = create_repo(repo_id, private=args.hub_private_repo if private is None else private, token=token)
@@ -249,11 +249,11 @@ def push_run_folder(folder: str | os.PathLike, repo_id: str, *, private: bool | 
 
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"hf-dp-repr push: {folder} is not a folder; give the output_dir of a DPTrainer run.")
+        raise ArgumentError(f"hf-dp-repr push: {folder} is not a folder; give the output_dir of a DPTrainer run.")
     check_pushable(folder)
     if not any(fnmatch.fnmatchcase(n, w) for n in files_to_push(folder) for w in WEIGHT_PATTERNS):
-        raise ValueError(f"hf-dp-repr push: {folder} holds no model weights (*.safetensors, pytorch_model*.bin, "
-                         "adapter_model.*); save the model with DPTrainer.save_model() first.")
+        raise ArgumentError(f"hf-dp-repr push: {folder} holds no model weights (*.safetensors, pytorch_model*.bin, "
+                            "adapter_model.*); save the model with DPTrainer.save_model() first.")
     card = refresh_model_card(folder, write=False)  # rendered (and checked) before anything is written
     if dry_run:
         return card

@@ -19,6 +19,9 @@ respect to its output, and nothing per example of parameter size:
   gradient; after the backward, all norms give the clip factors c_i, and each tensor's clipped sum
   Σ_i c_i G_i = (c·L)ᵀR is one matmul, the one the non-private backward would have done. No second backward.
 
+What each kind of module supports and how its pieces (factors L, R or an explicit per-example gradient) are
+computed is its rule in `ghost_rules.py` (`register_ghost_rule` adds one; Opacus' registered rules come last).
+
 Only modules that own a trained tensor are hooked: with `trainable_blocks=k` nothing below the scope is touched and
 autograd stops where the trained part starts.
 
@@ -44,32 +47,15 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from opacus.grad_sample import GradSampleModule
 from torch import nn
-from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
-from transformers.pytorch_utils import Conv1D
 
-from .grad_samplers import opt_position_ids
-
-FACTORED = (nn.Linear, Conv1D, nn.Embedding, nn.Conv2d)
+from ..errors import ArgumentTypeError, UnsupportedError
+from . import ghost_rules
+from .ghost_rules import OneHot, at_least_f32, pieces_of, saved_inputs
 
 
 def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
-
-
-def _is_factored(module: nn.Module) -> bool:
-    """A linear map the engine factors: one of FACTORED, or a subclass that keeps its forward (a subclass with its
-    own forward, e.g. a scaled embedding, computes something else); OPT's positions are looked up by their ids."""
-    return (isinstance(module, OPTLearnedPositionalEmbedding)
-            or any(isinstance(module, c) and type(module).forward is c.forward for c in FACTORED))
-
-
-def _is_rms_norm(module: nn.Module) -> bool:
-    """HF's RMSNorm modules (Llama, Mistral, Qwen, T5's T5LayerNorm ...): y = weight · x / rms(x), one scale."""
-    return (type(module).__name__.endswith(("RMSNorm", "T5LayerNorm"))
-            and isinstance(getattr(module, "weight", None), nn.Parameter)
-            and hasattr(module, "variance_epsilon") and len(list(module.parameters(recurse=False))) == 1)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -80,45 +66,18 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if checkpointing:
         return "gradient checkpointing re-runs the forward inside the backward"
     for name, module in model.named_modules():
-        if not _own_trainable(module):
-            continue
-        kind = type(module).__name__
-        if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
-            return f"{name} ({kind}) uses max_norm or sparse gradients"
-        if isinstance(module, nn.Conv2d) and (module.groups != 1 or isinstance(module.padding, str)
-                                              or module.padding_mode != "zeros"):
-            return f"{name} ({kind}) has groups, string padding or a non-zero padding mode"
-        if _is_factored(module) or _is_rms_norm(module) or type(module) in GradSampleModule.GRAD_SAMPLERS:
-            continue
-        return f"{name} ({kind}) has trained parameters and no per-example rule"
+        if _own_trainable(module) and (reason := ghost_rules.unsupported(module)) is not None:
+            return f"{name} ({type(module).__name__}) {reason}"
     return None
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    """At least float32 (bf16 norms drift; float64 stays float64 for exact tests)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """(B, ..., d) → (B, T, d) in at least float32, with T = 1 for a (B, d) tensor."""
-    t = _f32(t)
-    return t.unsqueeze(1) if t.dim() == 2 else t.reshape(t.shape[0], -1, t.shape[-1])
-
-
-class _Index:
-    """L of an embedding use: one-hot rows given by token ids (B, T), never expanded."""
-
-    def __init__(self, ids: torch.Tensor, rows: int):
-        self.ids, self.rows = ids.reshape(ids.shape[0], -1), rows
-
-
 def _gram(x, y) -> torch.Tensor:
-    """(B, Tx, Ty) inner products of the rows of two factors (dense (B, T, d) or _Index)."""
-    if isinstance(x, _Index) and isinstance(y, _Index):
+    """(B, Tx, Ty) inner products of the rows of two factors (dense (B, T, d) or OneHot)."""
+    if isinstance(x, OneHot) and isinstance(y, OneHot):
         return (x.ids[:, :, None] == y.ids[:, None, :]).to(torch.float32)
-    if isinstance(x, _Index):
+    if isinstance(x, OneHot):
         return torch.gather(y, 2, x.ids[:, None, :].expand(-1, y.shape[1], -1)).transpose(1, 2)
-    if isinstance(y, _Index):
+    if isinstance(y, OneHot):
         return _gram(y, x).transpose(1, 2)
     return torch.bmm(x, y.transpose(1, 2))
 
@@ -132,7 +91,7 @@ def _batched_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _weighted_sum(c: torch.Tensor, left, right: torch.Tensor) -> torch.Tensor:
     """Σ_i c_i Σ_t L_it ⊗ R_it, shape (p, q)."""
-    if isinstance(left, _Index):
+    if isinstance(left, OneHot):
         weighted = (right * c[:, None, None]).flatten(0, 1)
         out = torch.zeros(left.rows, right.shape[-1], dtype=right.dtype, device=right.device)
         return out.index_add_(0, left.ids.flatten(), weighted)
@@ -143,23 +102,11 @@ def _weighted_sum(c: torch.Tensor, left, right: torch.Tensor) -> torch.Tensor:
     return left.flatten(0, 1).transpose(0, 1) @ right.flatten(0, 1)
 
 
-def _patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """Conv2d inputs unfolded to (B, C·kh·kw, L). A patch embedding (stride = kernel, no padding) is a reshape,
-    where F.unfold (im2col) took a third of the norm time of a ViT on CPU."""
-    (kh, kw), (h, w) = conv.kernel_size, x.shape[-2:]
-    if (tuple(conv.stride) == (kh, kw) and tuple(conv.padding) == (0, 0) and tuple(conv.dilation) == (1, 1)
-            and h % kh == 0 and w % kw == 0):
-        b, c = x.shape[:2]
-        x = x.reshape(b, c, h // kh, kh, w // kw, kw).permute(0, 1, 3, 5, 2, 4)
-        return x.reshape(b, c * kh * kw, (h // kh) * (w // kw))
-    return F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
-
-
 def _materialise_now(left, right) -> bool:
     """Whether a linear map's per-example gradient (B, p·q) is no larger than its factors (B, T, p + q): then it
     is formed in the backward (one matmul per example, plus c·G for the clipped sum) and the factors are freed,
     which costs less than the T×T Grams plus the book-kept matmul and holds no more memory."""
-    if isinstance(left, _Index):
+    if isinstance(left, OneHot):
         return False
     t, p, q = left.shape[1], left.shape[2], right.shape[2]
     return p * q <= t * (p + q)
@@ -167,49 +114,9 @@ def _materialise_now(left, right) -> bool:
 
 def _materialise(left, right) -> torch.Tensor:
     """Per-example gradients Σ_t L_it ⊗ R_it, flattened to (B, p·q)."""
-    if isinstance(left, _Index):
+    if isinstance(left, OneHot):
         left = F.one_hot(left.ids, left.rows).to(right.dtype)
     return torch.einsum("btp,btq->bpq", left, right).reshape(left.shape[0], -1)
-
-
-def _pieces(module: nn.Module, inputs: tuple, grad: torch.Tensor, trained: set) -> list[tuple]:
-    """One use of a module as (param, "factors", L, R) or (param, "explicit", per-example gradient) items, for
-    the parameters in `trained` (while recording, they are all marked requires_grad=False)."""
-    out = []
-    if isinstance(module, (nn.Linear, Conv1D)):
-        a, g = _flat(inputs[0]), _flat(grad)
-        left, right = (g, a) if isinstance(module, nn.Linear) else (a, g)
-        out.append((module.weight, "factors", left, right))
-        if module.bias is not None and module.bias in trained:
-            out.append((module.bias, "explicit", g.sum(1)))
-    elif isinstance(module, nn.Embedding):  # inputs[0]: the ids looked up (OPT's positions: see _forward_hook)
-        g, ids = _flat(grad), inputs[0]
-        if module.padding_idx is not None:  # PyTorch gives the padding row no gradient
-            g = g * (ids.reshape(g.shape[0], -1, 1) != module.padding_idx)
-        out.append((module.weight, "factors", _Index(ids, module.num_embeddings), g))
-    elif isinstance(module, nn.Conv2d):
-        a = _patches(module, _f32(inputs[0]))
-        g = _f32(grad).flatten(2)
-        out.append((module.weight, "factors", g.transpose(1, 2), a.transpose(1, 2)))
-        if module.bias is not None and module.bias in trained:
-            out.append((module.bias, "explicit", g.sum(2)))
-    elif _is_rms_norm(module):
-        x = _f32(inputs[0])
-        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(inputs[0].dtype)
-        out.append((module.weight, "explicit", (_flat(grad) * _flat(normed)).sum(1)))
-    else:  # small tensors (LayerNorm, ViT embeddings ...): Opacus' registered rule
-        rule = GradSampleModule.GRAD_SAMPLERS[type(module)]
-        own = {p: p.requires_grad for p in module.parameters(recurse=False) if p in trained}
-        try:  # the rules skip tensors with requires_grad=False: mark this module's trained ones for the call
-            for p in own:
-                p.requires_grad_(True)
-            per_example = rule(module, list(inputs), grad)
-        finally:
-            for p, flag in own.items():
-                p.requires_grad_(flag)
-        for p, gs in per_example.items():
-            out.append((p, "explicit", _f32(gs)))
-    return [item for item in out if item[0] in trained]
 
 
 class GhostClippingEngine:
@@ -226,8 +133,11 @@ class GhostClippingEngine:
     the probe of `privacy.batch_rows`); their rows are viewed as (B, rows, ...) given `recording(batch_size=B)`.
     """
 
-    def __init__(self, model: nn.Module, several=()):
+    def __init__(self, model: nn.Module, several=(), key_of=None):
         self.model = model
+        # key_of(p): the tensor a module holds in the backward → the trained tensor it stands for (the key of the
+        # norms and sums). None: itself. FSDP swaps in gathered parameters; key_of maps them to the sharded ones.
+        self.key_of = key_of
         self.several = {m for name, m in model.named_modules() if name in set(several)}
         self._batch_size: int | None = None
         self.modules = [m for m in model.modules() if _own_trainable(m)]
@@ -268,12 +178,11 @@ class GhostClippingEngine:
         if not self._recording or not torch.is_grad_enabled():
             return None
         if not isinstance(output, torch.Tensor):
-            raise TypeError(f"GhostClippingEngine: {type(module).__name__} returns {type(output).__name__}, "
-                            "not a tensor; use clipping_engine='hooks'.")
+            raise ArgumentTypeError(f"GhostClippingEngine: {type(module).__name__} returns {type(output).__name__}, "
+                                    "not a tensor; use clipping_engine='hooks'.")
         if not output.requires_grad:  # nothing trained below: the gradient starts here
             output = output.detach().requires_grad_(True)
-        if isinstance(module, OPTLearnedPositionalEmbedding):  # called with the mask; the ids are a keyword
-            args = (opt_position_ids(module, args, kwargs),)
+        args = saved_inputs(module, args, kwargs)  # what the module's rule keeps (OPT's positions: their ids)
         saved = tuple(self._examples_first(module, x.detach()) if isinstance(x, torch.Tensor) else x for x in args)
         versions = [x._version for x in saved if isinstance(x, torch.Tensor)]
         # The hook (and what it holds) lives as long as the graph: a use whose output never reaches the loss
@@ -285,20 +194,23 @@ class GhostClippingEngine:
         """One use's pieces, from its inputs and output gradient (in the backward pass)."""
         if versions != [x._version for x in inputs if isinstance(x, torch.Tensor)]:
             # autograd would refuse too: the norms would be computed on the wrong activations
-            raise RuntimeError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
-                               "after its forward; use clipping_engine='hooks'.")
-        for p, kind, *data in _pieces(module, inputs, self._examples_first(module, grad.detach()), self._trained):
+            raise UnsupportedError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
+                                   "after its forward; use clipping_engine='hooks'.")
+        trained = self._trained
+        if self.key_of is not None:
+            trained = {p for p in module.parameters(recurse=False) if self.key_of(p) in self._trained}
+        for p, kind, *data in pieces_of(module, inputs, self._examples_first(module, grad.detach()), trained):
             if kind == "factors" and _materialise_now(*data):
                 kind, data = "explicit", [_materialise(*data)]
-            self._pieces.setdefault(p, []).append((kind, *data))
+            self._pieces.setdefault(p if self.key_of is None else self.key_of(p), []).append((kind, *data))
 
     def _examples_first(self, module, t: torch.Tensor) -> torch.Tensor:
         """(B·r, ...) → (B, r, ...) for a module that sees r rows per example; other tensors as they are."""
         if module not in self.several:
             return t
         if self._batch_size is None:
-            raise RuntimeError("GhostClippingEngine: modules with several rows per example need "
-                               "recording(batch_size=...).")
+            raise UnsupportedError("GhostClippingEngine: modules with several rows per example need "
+                                   "recording(batch_size=...).")
         return t.reshape(self._batch_size, -1, *t.shape[1:])
 
     def has_gradients(self) -> bool:
@@ -331,7 +243,7 @@ class GhostClippingEngine:
     @staticmethod
     def _cached_gram(x, y, cache: dict) -> torch.Tensor:
         """Gram of a factor with itself computed once per input tensor (q, k, v projections share theirs)."""
-        if x is not y or isinstance(x, _Index):
+        if x is not y or isinstance(x, OneHot):
             return _gram(x, y)
         key = (x.data_ptr(), x.shape, x.stride(), x.dtype)
         if key not in cache:
@@ -342,7 +254,7 @@ class GhostClippingEngine:
         """Σ_i factors[p]_i · G_i(p) for every tensor of `squared_norms()`, in float32 and p's shape."""
         sums = {}
         for p, pieces in self._pieces.items():
-            c = _f32(factors[p])
+            c = at_least_f32(factors[p])
             total = 0
             for kind, *data in pieces:
                 if kind == "explicit":

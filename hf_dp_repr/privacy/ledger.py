@@ -24,9 +24,11 @@ import contextlib
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass
 
-from ..errors import PrivacyBudgetExhaustedError
+from .._moved import REMOVED_IN
+from ..errors import LedgerError, PrivacyBudgetExhaustedError
 from .accounting import History, compute_epsilon, merge_history
 
 LEDGER_FILE = "privacy_ledger.json"
@@ -131,8 +133,9 @@ class PrivacyPlan:
 class PrivacyLedger:
     """A run's plan and its position in it: what it has spent. Written into every checkpoint, restored on resume.
 
-    The plan's fields read through the ledger (`ledger.phases`, `ledger.target_delta`, `ledger.planned_epsilon()`,
-    ...) as they did when the plan and the ledger were one object; the ledger itself only counts steps.
+    The plan's fields are `ledger.plan.<field>` (`ledger.plan.phases`, `ledger.plan.target_delta`, ...); reading them
+    through the ledger (`ledger.target_delta`, as when the plan and the ledger were one object) still works, with a
+    DeprecationWarning. The ledger itself only counts steps.
     """
 
     plan: PrivacyPlan
@@ -142,17 +145,20 @@ class PrivacyLedger:
 
     def __post_init__(self):
         if not 0 <= self.steps_done <= self.plan.planned_steps:
-            raise ValueError(f"PrivacyLedger: steps_done={self.steps_done} is outside the plan's "
-                             f"0..{self.plan.planned_steps} steps.")
+            raise LedgerError(f"PrivacyLedger: steps_done={self.steps_done} is outside the plan's "
+                              f"0..{self.plan.planned_steps} steps.")
         self.recomputed_steps = tuple((int(a), int(b)) for a, b in self.recomputed_steps)
         if not all(1 <= a <= b <= self.plan.planned_steps for a, b in self.recomputed_steps):
-            raise ValueError(f"PrivacyLedger: recomputed_steps={self.recomputed_steps} are not ranges of the plan's "
-                             f"1..{self.plan.planned_steps} steps.")
+            raise LedgerError(f"PrivacyLedger: recomputed_steps={self.recomputed_steps} are not ranges of the plan's "
+                              f"1..{self.plan.planned_steps} steps.")
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "plan":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
-        return getattr(self.plan, name)
+        value = getattr(self.plan, name)  # an AttributeError for a name the plan lacks too
+        warnings.warn(f"PrivacyLedger.{name} reads the plan through the ledger; use ledger.plan.{name} (the "
+                      f"forwarding goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+        return value
 
     @property
     def history(self) -> History:
@@ -250,11 +256,11 @@ class PrivacyLedger:
             steps = int(d["steps_done"]) if recomputed else sum(t for _, _, t in history)
             ledger = cls(plan, steps, recomputed)
             if ledger.history != history:
-                raise ValueError(f"its history {history} is not the plan's first {ledger.steps_done} steps "
-                                 f"{ledger.history}")
+                raise LedgerError(f"its history {history} is not the plan's first {ledger.steps_done} steps "
+                                  f"{ledger.history}")
             return ledger
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(
+            raise LedgerError(
                 f"PrivacyLedger: {path} is corrupted ({type(e).__name__}: {e}); the privacy spent up to that "
                 "checkpoint cannot be read, so it cannot be resumed or reported. Resume from an earlier checkpoint "
                 "whose ledger is intact (resume_from_checkpoint='<output_dir>/checkpoint-N'), or start a new run; "

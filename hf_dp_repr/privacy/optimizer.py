@@ -2,8 +2,9 @@
 
 Opacus' optimizers clip and noise in one `step()`. Under gradient accumulation that would keep the
 per-sample gradients of a whole logical batch in memory. Here each micro-batch is clipped right after its
-backward (`accumulate_micro_batch`), the clipped sum is kept, and `step()` adds the Gaussian noise once per
-logical batch, on rank 0 only, sums over processes and divides by the expected global batch size:
+backward (`accumulate_micro_batch`, by a registered `privacy.clipping_modes` mode), the clipped sum is kept, and
+`step()` hands the sums to a `privacy.reduction` strategy, which noises them once per logical batch, sums over
+processes and divides by the expected global batch size ("ddp": noise on rank 0):
 
     update = (Σ_i clip_C(g_i) + N(0, σ²C²)) / L,    L = per_device_batch × accumulation × processes.
 
@@ -13,36 +14,34 @@ a unit cut by a micro-batch boundary is kept summed but unclipped (`_open_unit`)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from opacus.optimizers import DPOptimizer
-from opacus.optimizers.optimizer import _generate_noise
 
+from ..errors import UnsupportedError
+from .clipping_modes import clip_factors, clipping_mode
+from .reduction import NoisySum, Reduction, replicated
 from .units import sum_per_unit
-
-AUTOMATIC_CLIPPING_GAMMA = 0.01  # stability constant γ of Bu et al. (2023), "Automatic clipping"
-CLIPPING_MODES = ("flat", "per_layer", "automatic", "none")  # "none": the non-private reference only (σ = 0)
 
 
 class MicroBatchDPOptimizer(DPOptimizer):
     """An Opacus DPOptimizer that clips per micro-batch and adds noise once per logical step.
 
-    clipping: "flat" (each example's whole gradient to norm C), "per_layer" (each parameter tensor to
-    C/sqrt(#tensors), total sensitivity C) or "automatic" (Bu et al.: g·C/(||g|| + γ), norm < C).
+    clipping: a registered `privacy.clipping_modes` mode ("flat", "per_layer", "automatic", ...).
     Norms, clip factors and the clipped sum are float32 whatever the parameters' dtype: in bf16 an example's
-    contribution reached 1.0003·C. `noise_generator(device)` returns the generator of the current step's noise
-    (`privacy.randomness`): never torch's global RNG, which the Trainer seeds from the public `seed`.
+    contribution reached 1.0003·C. `noise_generator(device, shard=None)` returns the generator of the current
+    step's noise (`privacy.randomness`): never torch's global RNG, which the Trainer seeds from the public `seed`.
+    `reduction`: how the clipped sums become the released gradient (`privacy.reduction`; default "ddp").
+    `ghost`: a `GhostClippingEngine` giving per-example norms and clipped sums, or None: per-sample gradients
+    from Opacus hooks (`grad_sample`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clipping: str, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: int,
-                 noise_generator: Callable[[torch.device], torch.Generator], secure_mode: bool = False,
-                 world_size: int = 1, rank: int = 0, engine=None):
-        if clipping not in CLIPPING_MODES:
-            raise ValueError(f"unknown clipping {clipping!r}; use one of {CLIPPING_MODES}.")
+                 noise_generator: Callable[..., torch.Generator], secure_mode: bool = False,
+                 world_size: int = 1, rank: int = 0, ghost=None, reduction: Reduction = replicated):
+        clipping_mode(clipping)  # a registered mode, or a ValueError listing them
         super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          expected_batch_size=expected_batch_size, loss_reduction="mean", secure_mode=secure_mode)
         self.clipping = clipping
@@ -51,17 +50,18 @@ class MicroBatchDPOptimizer(DPOptimizer):
         self.rank = rank
         self._open_unit: tuple[int, list[torch.Tensor]] | None = None  # (id, partial per-row sums), not yet clipped
         self._closed_units: set[int] = set()  # units clipped in this logical step: none may come back
-        self.engine = engine  # a GhostClippingEngine, or None: per-sample gradients from Opacus hooks
+        self.ghost = ghost
+        self.reduction = reduction
 
     def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None) -> None:
         """Clip the per-sample gradients of the micro-batch just back-propagated, add them to the clipped sum
         and free them. A no-op after an empty micro-batch. With `unit_ids` (each row's unit), rows are summed
         per unit first and each unit is clipped once (`_accumulate_units`; Opacus hooks only)."""
-        if self.engine is not None:
+        if self.ghost is not None:
             if unit_ids is not None:  # the trainer falls back to hooks for units; never clip rows as units here
-                raise RuntimeError("MicroBatchDPOptimizer: the ghost clipping engine clips rows; privacy units need "
-                                   "the hooks engine (clipping_engine='hooks').")
-            return self._accumulate_from_engine()
+                raise UnsupportedError("MicroBatchDPOptimizer: the ghost clipping engine clips rows; privacy units "
+                                       "need the hooks engine (clipping_engine='hooks').")
+            return self._accumulate_from_ghost()
         missing = [p for p in self.params if getattr(p, "grad_sample", None) is None]
         if len(missing) == len(self.params):
             return
@@ -81,16 +81,16 @@ class MicroBatchDPOptimizer(DPOptimizer):
             "unused by the model's forward; freeze them (requires_grad=False) so DP-SGD does not train them."
         )
 
-    def _accumulate_from_engine(self) -> None:
-        """The same clipping from the engine's per-example norms (no per-example gradient held)."""
-        if not self.engine.has_gradients():
+    def _accumulate_from_ghost(self) -> None:
+        """The same clipping from the ghost engine's per-example norms (no per-example gradient held)."""
+        if not self.ghost.has_gradients():
             return
-        norms = self.engine.squared_norms()
+        norms = self.ghost.squared_norms()
         missing = [p for p in self.params if p not in norms]
         if missing:
             raise self._missing_error(missing)
         factors = self.clip_factors(torch.stack([norms[p] for p in self.params], dim=1).float().clamp(min=0).sqrt())
-        sums = self.engine.clipped_sums({p: factors[:, j] for j, p in enumerate(self.params)})
+        sums = self.ghost.clipped_sums({p: factors[:, j] for j, p in enumerate(self.params)})
         for p in self.params:
             p.summed_grad = sums[p] if p.summed_grad is None else p.summed_grad + sums[p]
         self._drop_unclipped()
@@ -103,17 +103,7 @@ class MicroBatchDPOptimizer(DPOptimizer):
 
     def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
         """Per-example, per-tensor clip factors (batch, tensors) from float32 norms of the same shape."""
-        if self.clipping == "none":  # the unclipped reference: update = plain mean gradient (config: σ = 0 only)
-            return torch.ones_like(norms)
-        if self.clipping == "per_layer":
-            per_tensor = self.max_grad_norm / math.sqrt(norms.shape[1])
-            return (per_tensor / (norms + 1e-6)).clamp(max=1.0)
-        total = norms.norm(2, dim=1, keepdim=True)
-        if self.clipping == "automatic":
-            factor = self.max_grad_norm / (total + AUTOMATIC_CLIPPING_GAMMA)
-        else:
-            factor = (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
-        return factor.expand_as(norms)
+        return clip_factors(self.clipping, norms, self.max_grad_norm)
 
     def clip_and_accumulate(self, grads: list[torch.Tensor] | None = None) -> None:
         """Clip each example's gradient (rows of `grads`, one (examples, numel) float32 matrix per parameter;
@@ -145,8 +135,8 @@ class MicroBatchDPOptimizer(DPOptimizer):
     def _check_not_closed(self, unit: int) -> None:
         if unit in self._closed_units:
             # Clipping a unit twice would let it contribute 2C: a broken guarantee, never a silent one.
-            raise RuntimeError(f"DP-SGD: unit {unit} appears again after it was clipped in this logical step; the "
-                               "rows of a unit must be contiguous across micro-batches (UnitPoissonBatchSampler).")
+            raise UnsupportedError(f"DP-SGD: unit {unit} appears again after it was clipped in this logical step; the "
+                                   "rows of a unit must be contiguous across micro-batches (UnitPoissonBatchSampler).")
 
     def _close_units(self, ids: list[int], sums: list[torch.Tensor]) -> None:
         for unit in ids:
@@ -156,23 +146,21 @@ class MicroBatchDPOptimizer(DPOptimizer):
             self.clip_and_accumulate(sums)
 
     def pre_step(self, closure=None) -> bool:
-        """update = (Σ clipped + N(0, σ²C²) on rank 0, summed over ranks) / expected global batch."""
+        """update = the reduction of the clipped sums (default "ddp": Σ clipped + N(0, σ²C²) on rank 0, summed over
+        ranks, / expected global batch)."""
         self.accumulate_micro_batch()
         if self._open_unit is not None:
             self._close_units([self._open_unit[0]], self._open_unit[1])
             self._open_unit = None
         self._closed_units = set()
-        generator = None
-        if self.rank == 0 and self.noise_multiplier > 0:
-            generator = self.noise_generator(self.params[0].device)
-        for p in self.params:
-            total = p.summed_grad if p.summed_grad is not None else torch.zeros(p.shape, device=p.device)
-            if generator is not None:
-                total = total + _generate_noise(std=self.noise_multiplier * self.max_grad_norm, reference=total,
-                                                generator=generator, secure_mode=self.secure_mode)
-            if self.world_size > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            p.grad = (total / self.expected_batch_size).to(p.dtype)
+        sums = [p.summed_grad if p.summed_grad is not None else torch.zeros(p.shape, device=p.device)
+                for p in self.params]
+        grads = self.reduction(NoisySum(
+            self.params, sums, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.expected_batch_size, noise_generator=self.noise_generator,
+            secure_mode=self.secure_mode, rank=self.rank, world_size=self.world_size))
+        for p, grad in zip(self.params, grads):
+            p.grad = grad.to(p.dtype)
             p.summed_grad = None
         if self.step_hook:
             self.step_hook(self)

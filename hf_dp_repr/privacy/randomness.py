@@ -28,7 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_NOISE, _SAMPLING = 1, 2  # purposes: one stream each, so a seed never ties the batches to the noise
+# Purposes: one stream each, so a seed never ties the batches to the noise. A shard's noise has its own purpose:
+# SeedSequence keys [..., step] and [..., step, 0] give the same state (trailing zero words do not change it).
+_NOISE, _SAMPLING, _SHARD_NOISE = 1, 2, 3
 
 
 class DPRandomness:
@@ -48,12 +50,16 @@ class DPRandomness:
         """What the ledger and the model card record: "seeded" or "os-entropy"."""
         return "seeded" if self.seeded else "os-entropy"
 
-    def _key(self, purpose: int, index: int) -> np.random.SeedSequence:
-        return np.random.SeedSequence([self._secret, purpose, int(index)])
+    def _key(self, purpose: int, *index: int) -> np.random.SeedSequence:
+        return np.random.SeedSequence([self._secret, purpose, *(int(i) for i in index)])
 
-    def noise_generator(self, step: int, device: torch.device | str = "cpu") -> torch.Generator:
-        """A torch generator on `device` for the Gaussian noise of DP step `step`, fresh for every step."""
-        seed = int(self._key(_NOISE, step).generate_state(1, np.uint64)[0])
+    def noise_generator(self, step: int, device: torch.device | str = "cpu", shard: int | None = None
+                        ) -> torch.Generator:
+        """A torch generator on `device` for the Gaussian noise of DP step `step`, fresh for every step. `shard`:
+        the stream of one shard of the parameters (sharded runs: each rank noises the coordinates it owns); None,
+        the whole step's stream (keyed as before shards existed, so seeded runs reproduce)."""
+        key = self._key(_NOISE, step) if shard is None else self._key(_SHARD_NOISE, step, shard)
+        seed = int(key.generate_state(1, np.uint64)[0])
         return torch.Generator(device=device).manual_seed(seed)
 
     def sampling_seed(self) -> int:

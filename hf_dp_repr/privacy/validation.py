@@ -11,7 +11,9 @@ from torch import nn
 from torch.utils.data import IterableDataset
 from transformers.models.vit.modeling_vit import ViTEmbeddings
 
-from ..errors import NotPrivatizableError  # noqa: F401  (defined in errors.py, importable from here as before)
+from .. import errors
+from .._moved import moved_attribute
+from ..errors import DataError
 
 
 def check_model_is_privatizable(model: nn.Module) -> None:
@@ -41,7 +43,7 @@ def check_model_is_privatizable(model: nn.Module) -> None:
     for err in GradSampleModule.validate(model, strict=False):
         problems.append(f"{err}. Fix: freeze that module (requires_grad=False) or replace it.")
     if problems:
-        raise NotPrivatizableError(
+        raise errors.NotPrivatizableError(
             "This model cannot be trained with DP-SGD as it is:\n  - " + "\n  - ".join(problems)
         )
 
@@ -50,12 +52,12 @@ def check_train_dataset(dataset, target_delta: float, count_units: Callable[[], 
     """A training set DP-SGD can sample and account for: map-style, non-empty; warns when δ ≥ 1/n (n: rows, or
     the number of units of privacy that `count_units()` reads from the map-style dataset)."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError(
+        raise DataError(
             "DPTrainer: train_dataset must have a length (a map-style dataset): Poisson sampling and the privacy "
             "accounting need n. Materialise the IterableDataset first (e.g. `Dataset.from_generator`)."
         )
     if len(dataset) == 0:
-        raise ValueError("DPTrainer: train_dataset is empty.")
+        raise DataError("DPTrainer: train_dataset is empty.")
     num_units = count_units() if count_units is not None else None
     n = len(dataset) if num_units is None else num_units
     if target_delta >= 1 / n:
@@ -78,8 +80,8 @@ def check_one_row_per_example(batch: dict, n_examples: int) -> None:
     for key, value in batch.items():
         shape = getattr(value, "shape", None)
         if shape is not None and (len(shape) == 0 or shape[0] != n_examples):
-            raise ValueError(f"DPTrainer: the collated batch's `{key}` has shape {tuple(shape)} for {n_examples} "
-                             f"examples; its first dimension must be the number of examples. {fix}")
+            raise DataError(f"DPTrainer: the collated batch's `{key}` has shape {tuple(shape)} for {n_examples} "
+                            f"examples; its first dimension must be the number of examples. {fix}")
     positions = batch.get("position_ids")
     if positions is not None and getattr(positions, "ndim", 0) == 2 and positions.shape[1] > 1:
         restarts = positions[:, 1:] < positions[:, :-1]
@@ -87,5 +89,10 @@ def check_one_row_per_example(batch: dict, n_examples: int) -> None:
         if mask is not None and getattr(mask, "shape", None) == positions.shape:
             restarts = restarts & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)  # left padding is not a restart
         if restarts.any():
-            raise ValueError(f"DPTrainer: `position_ids` restart inside a row: several examples are packed into one "
-                             f"row. {fix}")
+            raise DataError(f"DPTrainer: `position_ids` restart inside a row: several examples are packed into one "
+                            f"row. {fix}")
+
+
+def __getattr__(name: str):
+    # NotPrivatizableError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
+    return moved_attribute(__name__, name)

@@ -7,10 +7,15 @@ disk (`feature_store`). It needs nothing of privacy: the privacy stage and the t
 `hf_dp_repr.scope` serves the scope functions, as before the package was arranged by pipeline stage.
 """
 
-from ..errors import ScopeError
+from .._moved import moved_attribute
 from .blocks import Scope, block_stack_name, describe_trainable, find_block_stack, head_modules, select_scope
 from .groups import select_groups
 from .phases import phase_scopes
 
-__all__ = ["Scope", "ScopeError", "block_stack_name", "describe_trainable", "find_block_stack", "head_modules",
+__all__ = ["Scope", "block_stack_name", "describe_trainable", "find_block_stack", "head_modules",
            "phase_scopes", "select_groups", "select_scope"]
+
+
+def __getattr__(name: str):
+    # ScopeError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
+    return moved_attribute(__name__, name)

@@ -12,6 +12,8 @@ What trains for `trainable_blocks = k`:
   `layernorm`/`ln_f`/`norm`, BERT's `pooler`) and the head.
 - The embeddings (patch/token embeddings, [CLS] token, position embeddings) sit below block 1: they train
   only with `trainable_blocks=None` (full fine-tuning), never with k = L.
+`trainable_blocks=k` is the short form of `trainable_groups="last:k,final,head"` (k = 0: `"head"`), see `groups`:
+the same parameters train, in the same modes.
 
 Example:
     >>> from hf_dp_repr.scope import find_block_stack, select_scope
@@ -31,18 +33,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import ScopeError  # noqa: F401  (defined in errors.py, importable from here as before)
+from ..errors import ScopeError
 from .lora import has_peft_adapters
 
 
 @dataclass
 class Scope:
-    """A set of parameters to train, with a one-line description for logs and the model card."""
+    """A set of parameters to train, with a one-line description for logs and the model card.
+
+    `head_only`: a linear probe (the backbone runs in eval mode; the head may train on cached inputs).
+    `frozen_prefix`: the blocks below its lowest trained block and the embeddings are frozen, so they run in eval
+    mode and may be cached (`prefix_cache`); False for "train whatever requires grad" (full fine-tuning, LoRA)."""
 
     parameters: list[nn.Parameter]
     description: str
     head_only: bool = False
     head_modules: list[str] = field(default_factory=list)
+    frozen_prefix: bool = True
 
     def apply(self, model: nn.Module) -> None:
         """Make exactly this scope trainable (requires_grad) and freeze everything else."""
@@ -104,8 +111,7 @@ def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | Non
         if not head_params:
             raise ScopeError(f"trainable_blocks=0 (linear probe): {type(model).__name__} has no head outside its "
                              "base model to train. Load the model with a task head (e.g. ...ForImageClassification).")
-        return Scope(unique_parameters(head_params), f"linear probe: {head_text}", head_only=True,
-                     head_modules=[n for n, _ in head])
+        return linear_probe_scope(model)
     name, stack = find_block_stack(model, block_stack)
     depth = len(stack)
     if trainable_blocks > depth:
@@ -121,6 +127,14 @@ def select_scope(model: nn.Module, trainable_blocks: int, block_stack: str | Non
     if head_params:
         parts.append(head_text)
     return Scope(unique_parameters(params), " + ".join(parts), head_modules=[n for n, _ in head])
+
+
+def linear_probe_scope(model: nn.Module) -> Scope:
+    """The head alone (`trainable_blocks=0`, `trainable_groups="head"`), the backbone frozen in eval mode."""
+    head = head_modules(model)
+    return Scope(unique_parameters([p for _, m in head for p in m.parameters()]),
+                 f"linear probe: head ({', '.join(n for n, _ in head)})", head_only=True,
+                 head_modules=[n for n, _ in head])
 
 
 def block_stack_name(model: nn.Module, block_stack: str | None = None) -> str | None:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from ..errors import DPConfigError
 from .feature_store import (
     NotCacheable,
     data_reason_not_to_cache,
@@ -161,5 +162,5 @@ def prepare_cached_head(model: torch.nn.Module, scopes: list, args, train_datase
         except NotCacheable as e:
             reason = str(e)
     if forced:
-        raise ValueError(f"DPTrainer: cache_features=True, but {reason}.")
+        raise DPConfigError(f"DPTrainer: cache_features=True, but {reason}.")
     return None, None, reason

@@ -47,6 +47,8 @@ from collections import Counter
 
 from torch import nn
 
+from ..errors import ArgumentTypeError, DPConfigError, NotPrivatizableError, UnsupportedError
+
 # LoraConfig fields whose non-default values are verified to give exact per-example gradients (and no data
 # access outside DP-SGD). Any other LoraConfig field set away from its default is refused: new PEFT options
 # are LoRA variants or data-dependent initialisations until a brute-force test says otherwise.
@@ -96,23 +98,23 @@ def apply_peft_config(model: nn.Module, peft_config) -> nn.Module:
     """
     peft = _peft()
     if not isinstance(peft_config, peft.PeftConfig):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"DPTrainer: peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}. "
             "Fix: peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=[...])."
         )
     if not isinstance(peft_config, peft.LoraConfig):
-        raise ValueError(
+        raise NotPrivatizableError(
             f"DPTrainer: only LoRA is supported under DP-SGD, got {type(peft_config).__name__} "
             f"({peft_config.peft_type}). Its per-example gradients are not verified; use peft.LoraConfig."
         )
     if is_peft_model(model):
-        raise ValueError(
+        raise DPConfigError(
             "DPTrainer: the model is already a PeftModel and a peft_config was given too. Fix: pass the "
             "PeftModel alone (DPTrainer(model=peft_model, ...) trains its active adapter), or merge it first "
             "(`model = model.merge_and_unload()`) and then pass the new peft_config."
         )
     if not isinstance(model, nn.Module):
-        raise TypeError(f"DPTrainer: peft_config needs a torch model to wrap, got {type(model).__name__}.")
+        raise ArgumentTypeError(f"DPTrainer: peft_config needs a torch model to wrap, got {type(model).__name__}.")
     config = copy.deepcopy(peft_config)
     _check_lora_config(config)
     _check_targets_before_wrapping(model, config)
@@ -129,7 +131,7 @@ def apply_peft_config(model: nn.Module, peft_config) -> nn.Module:
             problem = "include a layer type that LoRA cannot wrap in"
         else:
             raise
-        raise ValueError(
+        raise DPConfigError(
             f"DPTrainer: LoRA target modules {_describe_targets(config)} {problem} {type(model).__name__}. "
             "Fix: set LoraConfig(target_modules=[...]) to leaf names of its layers; candidates (leaf name: "
             f"count type): {candidate_target_modules(model)}."
@@ -139,18 +141,18 @@ def apply_peft_config(model: nn.Module, peft_config) -> nn.Module:
 
 
 def check_peft_model(model) -> None:
-    """Raise `ValueError` naming the fix unless DP-SGD gets exact per-example gradients for every trainable
-    parameter of the PeftModel `model`: LoRA adapters only, no LoRA variant (DoRA, ...), adapters not merged
-    or disabled, every trainable parameter owned by a module with an Opacus per-sample-gradient rule.
+    """Raise `NotPrivatizableError` (a ValueError) naming the fix unless DP-SGD gets exact per-example gradients for
+    every trainable parameter of the PeftModel `model`: LoRA adapters only, no LoRA variant (DoRA, ...), adapters
+    not merged or disabled, every trainable parameter owned by a module with an Opacus per-sample-gradient rule.
     Warns when a classification head stays frozen."""
     peft = _peft()
     from opacus.grad_sample import GradSampleModule
 
     if not is_peft_model(model):
-        raise TypeError(f"check_peft_model: expected a peft.PeftModel, got {type(model).__name__}.")
+        raise ArgumentTypeError(f"check_peft_model: expected a peft.PeftModel, got {type(model).__name__}.")
     for name, cfg in model.peft_config.items():
         if not isinstance(cfg, peft.LoraConfig):
-            raise ValueError(
+            raise NotPrivatizableError(
                 f"DPTrainer: adapter {name!r} is {type(cfg).__name__}; only LoRA adapters are supported under "
                 "DP-SGD (their per-example gradients are verified). Fix: use peft.LoraConfig, or delete that "
                 "adapter (`model.delete_adapter(name)`)."
@@ -179,12 +181,12 @@ def check_peft_model(model) -> None:
                 "targets is not supported under DP), or freeze it."
             )
     if problems:
-        raise ValueError("DPTrainer: this PEFT model cannot be trained exactly with DP-SGD:\n  - "
-                         + "\n  - ".join(problems))
+        raise NotPrivatizableError("DPTrainer: this PEFT model cannot be trained exactly with DP-SGD:\n  - "
+                                   + "\n  - ".join(problems))
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("DPTrainer: the PEFT model has no trainable parameter (inference_mode=True, or adapters "
-                         "frozen). Fix: LoraConfig(inference_mode=False) or `PeftModel.from_pretrained(..., "
-                         "is_trainable=True)`.")
+        raise DPConfigError("DPTrainer: the PEFT model has no trainable parameter (inference_mode=True, or adapters "
+                            "frozen). Fix: LoraConfig(inference_mode=False) or `PeftModel.from_pretrained(..., "
+                            "is_trainable=True)`.")
     _warn_frozen_head(model)
 
 
@@ -196,8 +198,8 @@ def merged_copy(model) -> nn.Module:
     params = list(model.parameters())
     stale = [getattr(p, "_dp_name", "?") for p in params if getattr(p, "grad_sample", None) is not None]
     if stale:
-        raise RuntimeError(f"save_merged_model: parameters {stale[:3]} still hold per-example gradients; "
-                           "save after the training step (DPTrainer detaches its hooks after train()).")
+        raise UnsupportedError(f"save_merged_model: parameters {stale[:3]} still hold per-example gradients; "
+                               "save after the training step (DPTrainer detaches its hooks after train()).")
     return copy.deepcopy(model).merge_and_unload(safe_merge=True)
 
 
@@ -220,7 +222,7 @@ def _check_lora_config(config, adapter: str | None = None) -> None:
     where = f" (adapter {adapter!r})" if adapter else ""
     init = config.init_lora_weights
     if not any(init is ok or (isinstance(init, str) and init == ok) for ok in _ALLOWED_INITS):
-        raise ValueError(
+        raise NotPrivatizableError(
             f"DPTrainer: LoraConfig{where} init_lora_weights={init!r} is not supported under DP-SGD: EVA, CorDA and "
             "LoRA-GA initialise from training data (a release no accountant counts); PiSSA, OLoRA, LoftQ and the "
             "others rewrite the base weights. Fix: init_lora_weights=True (default), False or 'gaussian'."
@@ -235,7 +237,7 @@ def _check_lora_config(config, adapter: str | None = None) -> None:
         if value != default and not (value in (None, False) and default in (None, False)):
             changed.append(f"{f.name}={value!r}")
     if changed:
-        raise ValueError(
+        raise NotPrivatizableError(
             f"DPTrainer: LoraConfig{where} sets {', '.join(changed)}. These LoRA variants/initialisations are not "
             "supported under DP-SGD: they use the adapter weights outside the lora_A/lora_B layers (per-example "
             "gradients would be silently wrong), quantise or rewrite the base weights, or look at training "
@@ -243,8 +245,8 @@ def _check_lora_config(config, adapter: str | None = None) -> None:
             "target_modules, modules_to_save, use_rslora, bias, lora_bias are supported)."
         )
     if config.inference_mode and adapter is None:
-        raise ValueError(f"DPTrainer: LoraConfig{where} has inference_mode=True, which freezes the adapters. "
-                         "Fix: inference_mode=False.")
+        raise DPConfigError(f"DPTrainer: LoraConfig{where} has inference_mode=True, which freezes the adapters. "
+                            "Fix: inference_mode=False.")
 
 
 def _is_lora_field(f: dataclasses.Field) -> bool:
@@ -271,7 +273,7 @@ def _check_targets_before_wrapping(model: nn.Module, config) -> None:
             elif any(True for _ in module.parameters(recurse=False)):
                 bad.append(f"{name} ({type(module).__name__})")
     if bad:
-        raise ValueError(
+        raise NotPrivatizableError(
             f"DPTrainer: LoRA target modules {_describe_targets(config)} match {', '.join(bad[:5])}: under DP only "
             "Linear, transformers' Conv1D and Conv2d layers can carry LoRA adapters (elsewhere PEFT uses the adapter "
             "weights outside a layer with a per-example gradient rule). Fix: target only those; candidates (leaf "
@@ -284,7 +286,7 @@ def _check_targets_before_wrapping(model: nn.Module, config) -> None:
                                       if next(m.parameters(recurse=False), None) is not None
                                       and type(m) not in GradSampleModule.GRAD_SAMPLERS})
                 if unsupported:
-                    raise ValueError(
+                    raise NotPrivatizableError(
                         f"DPTrainer: modules_to_save entry {key!r} ({name}) contains {unsupported}, which have no "
                         "per-example gradient rule under DP-SGD. Fix: choose modules made of Linear, Conv, "
                         "LayerNorm or Embedding layers (e.g. the task head)."

@@ -31,7 +31,7 @@ def phase_scopes(model: nn.Module, trainable_blocks: int | None, lp_steps: float
     if trainable_blocks is None and not lp_steps:
         return []
     if trainable_blocks is None:
-        last = Scope([p for p in model.parameters() if p.requires_grad], "all parameters")
+        last = Scope([p for p in model.parameters() if p.requires_grad], "all parameters", frozen_prefix=False)
     else:
         last = select_scope(model, trainable_blocks, block_stack)
     return [select_scope(model, 0), last] if lp_steps else [last]

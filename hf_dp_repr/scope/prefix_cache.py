@@ -1,8 +1,9 @@
 """Frozen prefixes cost nothing: the hidden states entering the first trained block, computed once.
 
-With `trainable_blocks=k`, blocks 0..L-k-1 and the embeddings below them are frozen. They run in eval mode
-(`set_frozen_prefix_modes`, cached or not: they are not trained, so their dropout would only make the features
-random), so the hidden states entering block L-k are a deterministic function of one example. We compute them once
+With `trainable_blocks=k` (or any `trainable_groups` whose lowest trained block is L-k, e.g. "last:k,final,head"),
+blocks 0..L-k-1 and the embeddings below them are frozen. They run in eval mode (`set_frozen_prefix_modes`, cached
+or not: they are not trained, so their dropout would only make the features random), so the hidden states entering
+block L-k are a deterministic function of one example. We compute them once
 per dataset (one pass, eval mode, no autograd, stopped at block L-k) and every step then runs the model with its
 block list cut to the trained blocks, the cached states injected as the first trained block's input
 (`run_from_states`). The embeddings, the attention mask (padding, causal) and the position embeddings (rotary
@@ -50,7 +51,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from .blocks import find_block_stack, modules_after
+from ..errors import DPConfigError, ScopeError, UnsupportedError
+from .blocks import find_block_stack, head_modules, modules_after
 from .feature_store import (
     CacheEntry,
     NotCacheable,
@@ -99,12 +101,24 @@ class StatesCollator:
 
 
 # ---- where the prefix ends, and whether it may be cached ------------------------------------------------------
-def cut_point(model: nn.Module, args) -> CutPoint | None:
-    """Block L-k of `trainable_blocks=k`: the first trained block (None without k, or for k = 0)."""
-    if not args.trainable_blocks:
+def cut_point(model: nn.Module, scopes: list, block_stack: str | None = None) -> CutPoint | None:
+    """The lowest block holding a parameter the last phase trains (block L-k of `trainable_blocks=k`), when
+    nothing below it trains but the head's own tensors (a head tied to the input embeddings): the frozen prefix
+    ends there. None for a linear probe, full fine-tuning, or a scope reaching into the embeddings."""
+    scope = scopes[-1] if scopes else None
+    if scope is None or scope.head_only or not scope.frozen_prefix:
         return None
-    name, stack = find_block_stack(model, args.block_stack)
-    return CutPoint(name, len(stack) - args.trainable_blocks)
+    try:
+        name, stack = find_block_stack(model, block_stack)
+    except ScopeError:
+        return None
+    trained = {id(p) for p in scope.parameters}
+    first = next((i for i, block in enumerate(stack) if any(id(p) in trained for p in block.parameters())), None)
+    if first is None:
+        return None
+    head = {id(p) for _, m in head_modules(model) for p in m.parameters()}
+    below = [n for n, p in _prefix_parameters(model, name, first) if id(p) in trained and id(p) not in head]
+    return None if below else CutPoint(name, first)
 
 
 def structural_reason_not_to_cache(model: nn.Module, cut: CutPoint, scopes: list) -> str | None:
@@ -161,9 +175,9 @@ def run_from_states(model: nn.Module, stack_name: str, first: int, states: torch
     def inject(_module, args, kwargs):
         given = args[0] if args else kwargs["hidden_states"]
         if given.shape != states.shape:
-            raise RuntimeError(f"DPTrainer: cached prefix states of shape {tuple(states.shape)} for a batch whose "
-                               f"hidden states are {tuple(given.shape)}: rows must keep a fixed length (pad to "
-                               "max_length), or set cache_features=False.")
+            raise UnsupportedError(f"DPTrainer: cached prefix states of shape {tuple(states.shape)} for a batch "
+                                   f"whose hidden states are {tuple(given.shape)}: rows must keep a fixed length (pad "
+                                   "to max_length), or set cache_features=False.")
         new = states.to(device=given.device, dtype=given.dtype)
         return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
 
@@ -269,7 +283,7 @@ def prepare_prefix_cache(model: nn.Module, scopes: list, args, train_dataset, da
     """(cut, the training set's cached states, None) when this run may train on them (`args.cache_features`:
     None = when safe, True = always, False = never); else (cut or None, None, why not) where "why not" is None
     when there is no frozen prefix to cache."""
-    cut = cut_point(model, args) if scopes else None
+    cut = cut_point(model, scopes, args.block_stack)
     if cut is None or cut.first == 0 or args.cache_features is False or train_dataset is None:
         return cut, None, None
     forced = bool(args.cache_features)
@@ -283,5 +297,5 @@ def prepare_prefix_cache(model: nn.Module, scopes: list, args, train_dataset, da
         except NotCacheable as e:
             reason = str(e)
     if forced:
-        raise ValueError(f"DPTrainer: cache_features=True, but {reason}.")
+        raise DPConfigError(f"DPTrainer: cache_features=True, but {reason}.")
     return cut, None, reason

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import yaml
 from transformers import HfArgumentParser
 
+from hf_dp_repr.errors import RecipeArgumentError
+
 
 # ---- arguments the recipes share -------------------------------------------------------------------------
 @dataclass
@@ -119,8 +121,8 @@ def yaml_to_argv(path: str) -> list[str]:
     with open(path) as f:
         values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a mapping of argument names to values, got "
-                         f"{type(values).__name__}")
+        raise RecipeArgumentError(f"--config {path}: expected a mapping of argument names to values, got "
+                                  f"{type(values).__name__}")
     argv: list[str] = []
     for key, value in values.items():
         if value is None:

@@ -46,6 +46,7 @@ from hf_dp_repr.data import (
     unique_documents,
 )
 from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
@@ -149,7 +150,8 @@ def document_level(targs: DPTrainingArguments, given: set[str]) -> bool:
     """The recipe's unit of privacy: one document unless `--privacy_unit block` (or `row`) is given."""
     unit = targs.privacy_unit if "privacy_unit" in given else DOCUMENT_ID
     if unit not in (DOCUMENT_ID, "block", "row"):
-        raise ValueError(f"--privacy_unit {unit}: the causal-LM recipe supports '{DOCUMENT_ID}' (default) and 'block'.")
+        raise RecipeArgumentError(f"--privacy_unit {unit}: the causal-LM recipe supports '{DOCUMENT_ID}' (default) and "
+                                  "'block'.")
     targs.privacy_unit = DOCUMENT_ID if unit == DOCUMENT_ID else "row"
     check_privacy_unit(targs)
     return unit == DOCUMENT_ID
@@ -223,14 +225,15 @@ def load_or_train_tokenizer(margs: LMArguments, public_docs, save_dir: str):
         try:
             tok = AutoTokenizer.from_pretrained(name)
             if tok.eos_token_id is None:
-                raise ValueError(f"tokenizer {name} has no EOS token; the recipe separates documents with it")
+                raise RecipeArgumentError(f"tokenizer {name} has no EOS token; the recipe separates documents with it")
             return tok
         except OSError as err:
             logger.warning("tokenizer %s cannot be loaded (%s); training one locally on the public text", name,
                            type(err).__name__)
     if public_docs is None:
-        raise ValueError("no tokenizer could be loaded and there is no public data to train one on (a tokenizer "
-                         "trained on the private text would leak it). Give --tokenizer_name or --public_fraction.")
+        raise RecipeArgumentError("no tokenizer could be loaded and there is no public data to train one on (a "
+                                  "tokenizer trained on the private text would leak it). Give --tokenizer_name or "
+                                  "--public_fraction.")
     return train_tokenizer(public_docs["text"], margs.tokenizer_vocab_size)
 
 
@@ -255,8 +258,8 @@ def _load_model(name, tokenizer, block_size, seed):
     vocab = len(tokenizer)
     if ru.is_tiny(name):
         if name not in ("tiny_gpt2", "tiny_llama"):
-            raise ValueError(f"--model_name_or_path {name}: the language recipe's tiny configs are tiny_gpt2, "
-                             "tiny_llama.")
+            raise RecipeArgumentError(f"--model_name_or_path {name}: the language recipe's tiny configs are tiny_gpt2, "
+                                      "tiny_llama.")
         kw = dict(n_positions=max(64, block_size)) if name == "tiny_gpt2" else dict(
             max_position_embeddings=max(64, block_size))
         ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,

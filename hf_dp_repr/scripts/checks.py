@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import logging
 
-from hf_dp_repr.errors import DPConfigError
+from hf_dp_repr.errors import RecipeArgumentError
 
 logger = logging.getLogger("hf_dp_repr.recipes")
 
 CLASSIFIER_SUFFIXES = ("ForImageClassification", "ForSequenceClassification")
-
-
-class RecipeArgumentError(DPConfigError):
-    """A recipe argument that cannot work; raised before any work is done."""
 
 
 def check_before_work(model, train, training_args):

@@ -39,6 +39,7 @@ import torch
 from hf_dp_repr.data import DIGITS, load_embedded
 from hf_dp_repr.data.images import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
 from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
@@ -192,7 +193,7 @@ def _collate(examples):
 def _load_model(name, num_labels, id2label, train, image_col, seed):
     if ru.is_tiny(name):
         if name != "tiny_vit":
-            raise ValueError(f"--model_name_or_path {name}: the image recipe's tiny config is tiny_vit.")
+            raise RecipeArgumentError(f"--model_name_or_path {name}: the image recipe's tiny config is tiny_vit.")
         sample = train[0][image_col]
         if image_col == "pixel_values":
             shape = tuple(torch.as_tensor(sample).shape)  # (C, H, W)

@@ -20,8 +20,9 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dp_repr import tiny
 from hf_dp_repr.entry_point import one_thread_for_tiny_model
+from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.scripts import report as recipe_report
-from hf_dp_repr.scripts.arguments import expand_argv, given_options, parse_args, yaml_to_argv  # noqa: F401  (the parser's old home)
+from hf_dp_repr.scripts.arguments import given_options, parse_args
 from hf_dp_repr.training.output_dir import check_writable
 
 logger = logging.getLogger("hf_dp_repr.recipes")
@@ -69,8 +70,8 @@ def pick_splits(raw, dataset_name: str, train_split: str, eval_split: str):
     """(train, eval) splits of `raw`, or an error that names the splits there are and the flags to set."""
     for split in (train_split, eval_split):
         if split not in raw:
-            raise ValueError(f"--dataset_name {dataset_name} has no split {split!r} (it has {list(raw)}); "
-                             "set --train_split / --eval_split.")
+            raise RecipeArgumentError(f"--dataset_name {dataset_name} has no split {split!r} (it has {list(raw)}); "
+                                      "set --train_split / --eval_split.")
     return raw[train_split], raw[eval_split]
 
 
@@ -79,7 +80,7 @@ def first_column(columns, candidates, flag: str) -> str:
     for c in candidates:
         if c in columns:
             return c
-    raise ValueError(f"none of the columns {columns} is one of {candidates}; name it with {flag}.")
+    raise RecipeArgumentError(f"none of the columns {columns} is one of {candidates}; name it with {flag}.")
 
 
 def accuracy_metrics():
@@ -98,7 +99,8 @@ def accuracy_metrics():
 def split_public_private(train, public_fraction: float, seed: int):
     """Disjoint (public, private) parts of `train`; `public_fraction` of the examples are public."""
     if not 0 < public_fraction < 1:
-        raise ValueError(f"--public_fraction must be in (0, 1) to split off public data, got {public_fraction}")
+        raise RecipeArgumentError(f"--public_fraction must be in (0, 1) to split off public data, got "
+                                  f"{public_fraction}")
     parts = train.train_test_split(test_size=1 - public_fraction, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
 

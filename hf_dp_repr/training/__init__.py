@@ -1,5 +1,6 @@
-"""Stage 5, training: DP-SGD inside `transformers.Trainer`. `DPTrainer` (`trainer`, with what it adds to the Trainer's
-clipping, features, plan report, saving and search in `clipping`, `features`, `report`, `saving`, `search`),
+"""Stage 5, training: DP-SGD inside `transformers.Trainer`. `DPTrainer` (`trainer`: DP-SGD by its
+`privacy.engine.DPEngine`; what it adds to the Trainer's features, reports, saving and search in `features`,
+`report`, `saving`, `search`; the private Trainer members it relies on in `hf_compat`),
 `DPTrainingArguments` (`arguments`, its checks in `argument_checks`, every Trainer field decided in
 `argument_fields`), the privacy plan made from them (`plan`), the data and evaluation sets checked before any work
 (`data_checks`, `eval_overlap`), checkpoints restored exactly or refused (`checkpoint`, `output_dir`, `resume`), and

@@ -78,6 +78,13 @@ def validate_lp_fields(args) -> None:
     if args.trainable_blocks == 0:
         raise DPConfigError("DPTrainingArguments: lp_steps with trainable_blocks=0 would linear-probe twice. Set "
                          "trainable_blocks to the fine-tuning scope (None = all) or drop lp_steps.")
+    if args.trainable_groups is not None:
+        from ..scope.groups import is_linear_probe  # (torch: only when a layer selection is given)
+
+        if is_linear_probe(args.trainable_groups):
+            raise DPConfigError(f"DPTrainingArguments: lp_steps with trainable_groups={args.trainable_groups!r} (the "
+                                "head alone: a linear probe) would linear-probe twice. Set trainable_groups to the "
+                                "fine-tuning scope or drop lp_steps.")
     if args.lp_steps >= 1 and args.lp_steps != int(args.lp_steps):
         raise DPConfigError(f"DPTrainingArguments: lp_steps={args.lp_steps}: a number of steps must be whole "
                          "(or < 1 for a fraction of the planned steps).")
@@ -99,10 +106,10 @@ def validate_cache_fields(args) -> None:
     for name in ("cache_features_max_memory_gb", "cache_features_max_disk_gb"):
         if not getattr(args, name) >= 0:
             raise DPConfigError(f"DPTrainingArguments: {name}={getattr(args, name)} must be >= 0 (GiB).")
-    if args.cache_features and args.trainable_blocks is None:
-        raise DPConfigError("DPTrainingArguments: cache_features=True with trainable_blocks=None: full fine-tuning has "
-                         "no frozen part to cache. Set trainable_blocks=k (0 = linear probe) or leave "
-                         "cache_features=None.")
+    if args.cache_features and args.trainable_blocks is None and args.trainable_groups is None:
+        raise DPConfigError("DPTrainingArguments: cache_features=True with trainable_blocks=None (and no "
+                            "trainable_groups): full fine-tuning has no frozen part to cache. Set trainable_blocks=k "
+                            "(0 = linear probe) or leave cache_features=None.")
 
 
 def check_report_to(args) -> None:

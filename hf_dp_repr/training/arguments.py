@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..errors import DPConfigError
-from ..privacy.accounting import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant
-from ..privacy.optimizer import CLIPPING_MODES
+from ..errors import DPConfigError, ScopeError
+from ..privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant, default_neighboring
+from ..privacy.clippers import CLIPPERS
+from ..privacy.clipping_modes import CLIPPING_MODES
 from ..scope.groups import parse_groups
 from ..scope.head_init import HEAD_INITS, check_head_init
 from .argument_checks import (
@@ -33,7 +34,7 @@ from .argument_checks import (
 )
 from .argument_fields import check_refused_fields
 
-CLIPPING_ENGINES = ("auto", "ghost", "hooks")
+CLIPPING_ENGINES = ("auto", *CLIPPERS)  # "ghost", "hooks": privacy.clippers
 
 # Hub strategies that exist to push resumable checkpoints: trainer_state.json (the loss of every logged step, computed
 # on private data), optimizer and RNG state, training_args.bin. A checkpoint without them would not resume.
@@ -67,8 +68,9 @@ class DPTrainingArguments(TrainingArguments):
     accountant: str = field(
         default="pld",
         metadata={"help": "Privacy accountant: 'pld' (dp_accounting's privacy loss distributions, default; the only "
-                  "one for neighboring='replace_one'), 'prv' or 'rdp' (Opacus; add/remove neighbours only). 'gdp' "
-                  "is refused: it under-reports ε.", "choices": ACCOUNTANTS},
+                  "one for neighboring='replace_one'), 'prv' or 'rdp' (Opacus; add/remove neighbours only), or one "
+                  "added by `register_accountant`. 'gdp' is refused: it under-reports ε.",
+                  "choices": ACCOUNTANTS},  # the live registry: later registrations are choices too
     )
     neighboring: str | None = field(
         default=None,
@@ -95,8 +97,8 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "'flat' (one norm over all parameters), 'per_layer' (each parameter tensor clipped to "
                   "C/sqrt(#tensors), total sensitivity C) or 'automatic' (Bu et al.: g·C/(||g||+0.01)). 'none' "
                   "(with noise_multiplier=0 only): the true non-private reference, the plain gradient through the "
-                  "same trainer (ε = ∞).",
-                  "choices": CLIPPING_MODES},
+                  "same trainer (ε = ∞). Any mode registered in `privacy.clipping_modes`.",
+                  "choices": CLIPPING_MODES.keys()},
     )
     clipping_engine: str = field(
         default="auto",
@@ -114,15 +116,16 @@ class DPTrainingArguments(TrainingArguments):
     trainable_blocks: int | None = field(
         default=None,
         metadata={"help": "Train only the last k transformer blocks, the modules after them (final norm, pooler) "
-                  "and the task head; 0 = linear probe (head only); None (default) = every parameter. Embeddings "
-                  "train only with None."},
+                  "and the task head: the short form of trainable_groups='last:k,final,head'; 0 = linear probe "
+                  "(trainable_groups='head'); None (default) = every parameter. Embeddings train only with None."},
     )
     trainable_groups: str | None = field(
         default=None,
         metadata={"help": "Layer selection beyond the last k blocks (exclusive with trainable_blocks): a comma-"
                   "separated union of block selectors (an index, 'first:k', 'last:k', 'every_other', "
-                  "'every_other:odd') and named groups ('head', 'norms', 'biases', 'attention', 'mlp'), e.g. "
-                  "'biases,head' (BitFit) or 'first:2,norms,head'. Only what is named trains. A list also works."},
+                  "'every_other:odd') and named groups ('head', 'final': the modules after the blocks, 'norms', "
+                  "'biases', 'attention', 'mlp'), e.g. 'biases,head' (BitFit) or 'first:2,norms,head'. Only what is "
+                  "named trains; 'head' alone is the linear probe. A list also works."},
     )
     block_stack: str | None = field(
         default=None,
@@ -159,11 +162,11 @@ class DPTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Compute what the frozen part of the model feeds the trained part once, and train (and "
                   "evaluate) on it: the head's inputs for a linear probe (trainable_blocks=0), the hidden states "
-                  "entering the first trained block for trainable_blocks=k (also in the linear-probing phase of "
-                  "lp_steps). The frozen part runs in eval mode, cached or not. None (default): when it gives the "
-                  "same updates (no transform on the dataset, nothing below the scope trains, fixed-length rows, "
-                  "within the size bounds), else the uncached path with the reason logged; False: never (e.g. "
-                  "random augmentation); True: always, or an error."},
+                  "entering the first trained block for trainable_blocks=k or a trainable_groups scope (also in the "
+                  "linear-probing phase of lp_steps). The frozen part runs in eval mode, cached or not. None "
+                  "(default): when it gives the same updates (no transform on the dataset, nothing below the scope "
+                  "trains, fixed-length rows, within the size bounds), else the uncached path with the reason "
+                  "logged; False: never (e.g. random augmentation); True: always, or an error."},
     )
     cache_features_max_memory_gb: float = field(
         default=4.0,
@@ -269,7 +272,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
             raise DPConfigError(f"DPTrainingArguments: {name}={value} must be >= 1: the logical batch (per-device "
                              "batch × gradient_accumulation_steps × processes) sets the sampling rate q = batch / n.")
     if args.neighboring is None:  # what the accountant computes: Opacus' accountants know add/remove only
-        args.neighboring = "replace_one" if args.accountant == "pld" else "add_remove"
+        args.neighboring = default_neighboring(args.accountant)
     try:
         check_accountant(args.accountant, args.neighboring)
     except ValueError as err:
@@ -279,28 +282,29 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping_engine {args.clipping_engine!r}; use one of "
                             f"{CLIPPING_ENGINES}.")
     if args.clipping not in CLIPPING_MODES:
-        raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of {CLIPPING_MODES}.")
-    if args.clipping == "none" and not (sigma == 0 and eps is None):
-        raise DPConfigError("DPTrainingArguments: clipping='none' bounds no example's influence, so no noise makes it "
-                            "private; it is only for the non-private reference: set noise_multiplier=0 (and no "
-                            "target_epsilon), or use clipping='flat'.")
+        raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of "
+                            f"{tuple(CLIPPING_MODES)}.")
+    if not CLIPPING_MODES[args.clipping].private and not (sigma == 0 and eps is None):
+        raise DPConfigError(f"DPTrainingArguments: clipping={args.clipping!r} bounds no example's influence, so no "
+                            "noise makes it private; it is only for the non-private reference: set noise_multiplier=0 "
+                            "(and no target_epsilon), or use clipping='flat'.")
     if args.trainable_blocks is not None and args.trainable_blocks < 0:
         raise DPConfigError(f"DPTrainingArguments: trainable_blocks={args.trainable_blocks} must be >= 0 "
                          "(0 = linear probe: head only; None = train every parameter).")
     if args.trainable_groups is not None:
         if args.trainable_blocks is not None:
-            raise ValueError("DPTrainingArguments: trainable_blocks and trainable_groups are both set; give one (e.g. "
+            raise ScopeError("DPTrainingArguments: trainable_blocks and trainable_groups are both set; give one (e.g. "
                              "trainable_groups='last:2,norms,head' for the last 2 blocks, every norm and the head).")
         parse_groups(args.trainable_groups)  # unknown names fail here, before any work
     validate_lp_fields(args)
     check_privacy_unit(args)
     if args.public_switch not in ("fixed", "decelerator", "plateau"):
-        raise ValueError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' or "
-                         "'plateau'.")
+        raise DPConfigError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' "
+                            "or 'plateau'.")
     for name in ("public_max_steps", "public_check_steps", "hessian_probes", "hessian_max_examples",
                  "public_plateau_patience"):
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
-            raise ValueError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
+            raise DPConfigError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     validate_cache_fields(args)
     if args.noise_seed is not None and args.secure_mode:
         raise DPConfigError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "

@@ -18,7 +18,8 @@ import os
 import torch
 from torch import nn
 
-from ..errors import CheckpointMismatchError  # noqa: F401  (defined in errors.py, importable from here as before)
+from .. import errors
+from .._moved import moved_attribute
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -86,8 +87,8 @@ def _read_weights(checkpoint: str) -> tuple[dict[str, torch.Tensor], str]:
         path = os.path.join(checkpoint, name)
         if os.path.isfile(path):
             return loader(path), path
-    raise CheckpointMismatchError(f"DPTrainer: no model weights ({SAFE_WEIGHTS}, {BIN_WEIGHTS} or a sharded index) "
-                                  f"in {checkpoint}; resume only from checkpoints written by DPTrainer.")
+    raise errors.CheckpointMismatchError(f"DPTrainer: no model weights ({SAFE_WEIGHTS}, {BIN_WEIGHTS} or a sharded "
+                                         f"index) in {checkpoint}; resume only from checkpoints written by DPTrainer.")
 
 
 def _torch_load(path: str) -> dict[str, torch.Tensor]:
@@ -149,8 +150,9 @@ def _load_adapter(model, checkpoint: str) -> None:
     try:
         weights = load_peft_weights(folder, device="cpu")
     except (OSError, ValueError) as e:
-        raise CheckpointMismatchError(f"DPTrainer: no weights of adapter {adapter!r} in {folder} ({e}); resume only "
-                                      "from checkpoints written by DPTrainer with the same peft_config.") from None
+        raise errors.CheckpointMismatchError(f"DPTrainer: no weights of adapter {adapter!r} in {folder} ({e}); resume "
+                                             "only from checkpoints written by DPTrainer with the same peft_config."
+                                             ) from None
     expected = get_peft_model_state_dict(model, adapter_name=adapter)
     problems = {
         "missing from the checkpoint (left untouched)": sorted(set(expected) - set(weights)),
@@ -170,10 +172,15 @@ def _raise_if_any(problems: dict[str, list[str]], source: str) -> None:
         return
     lines = [f"{len(keys)} tensor(s) {what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
              for what, keys in problems.items()]
-    raise CheckpointMismatchError(
+    raise errors.CheckpointMismatchError(
         f"DPTrainer: the checkpoint {source} does not fit the model exactly; continuing would train from other "
         "weights than those checkpointed, while the privacy ledger keeps the ε already spent.\n  "
         + "\n  ".join(lines)
         + "\nFix: resume with the same model class, config and peft_config as the run that wrote the checkpoint "
         "(and the same transformers/peft versions)."
     )
+
+
+def __getattr__(name: str):
+    # CheckpointMismatchError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
+    return moved_attribute(__name__, name)

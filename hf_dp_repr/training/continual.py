@@ -33,6 +33,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
+from ..errors import DPConfigError, LedgerError, UnsupportedError
 from .curvature import clipped_gradient_terms, decelerator, decelerator_ratio, model_trace, public_batch
 
 logger = logging.get_logger(__name__)
@@ -130,7 +131,7 @@ class PrivatePhaseCurvature(TrainerCallback):
             return control
         gen = torch.Generator().manual_seed(10**6 + state.global_step)
         trace, stderr = model_trace(self.trainer.model, self.batch, args.hessian_probes, gen,
-                                    self.trainer._grad_sample_hooks)
+                                    self.trainer.engine.clipper)
         phase = self.trainer.ledger.plan.phases[-1]
         self.record["history"].append(dict(
             phase="private", step=self.record["switch_step"] + state.global_step, private_step=state.global_step,
@@ -180,29 +181,29 @@ def check_public_phase(args, train_dataset, public_train, public_eval) -> None:
     """Refuse, before any work, a public phase that cannot run as asked."""
     if public_train is None:
         if args.public_max_steps:
-            raise ValueError("DPTrainer: public_max_steps is set but no public_train_dataset was given; pass "
-                             "DPTrainer(..., public_train_dataset=...) or drop public_max_steps.")
+            raise DPConfigError("DPTrainer: public_max_steps is set but no public_train_dataset was given; pass "
+                                "DPTrainer(..., public_train_dataset=...) or drop public_max_steps.")
         return
     if public_train is train_dataset:
-        raise ValueError("DPTrainer: public_train_dataset is the private train_dataset; it would be trained on "
-                         "without privacy. Give disjoint public data.")
+        raise DPConfigError("DPTrainer: public_train_dataset is the private train_dataset; it would be trained on "
+                            "without privacy. Give disjoint public data.")
     if args.public_max_steps < 1:
-        raise ValueError("DPTrainer: a public_train_dataset needs public_max_steps >= 1 (the switch step for "
-                         "public_switch='fixed', the most public steps otherwise).")
+        raise DPConfigError("DPTrainer: a public_train_dataset needs public_max_steps >= 1 (the switch step for "
+                            "public_switch='fixed', the most public steps otherwise).")
     if args.public_switch == "plateau" and public_eval is None:
-        raise ValueError("DPTrainer: public_switch='plateau' needs a public_eval_dataset (held-out PUBLIC data).")
+        raise DPConfigError("DPTrainer: public_switch='plateau' needs a public_eval_dataset (held-out PUBLIC data).")
     if args.world_size > 1:
-        raise NotImplementedError("DPTrainer: public → private training in one train() runs in a single process "
-                                  "for now; with several processes, pre-train on the public data first (the recipes' "
-                                  "--public_fraction) and pass the model to DPTrainer.")
+        raise UnsupportedError("DPTrainer: public → private training in one train() runs in a single process "
+                               "for now; with several processes, pre-train on the public data first (the recipes' "
+                               "--public_fraction) and pass the model to DPTrainer.")
 
 
 def start_continual(trainer, checkpoint: str | None) -> None:
     """Run the public phase, or, resuming from a DP checkpoint that carries its record, skip it."""
     record = load_record(checkpoint) if checkpoint else None
     if checkpoint and record is None:
-        raise ValueError(f"DPTrainer: checkpoint {checkpoint} has no {RECORD_FILE}: it was not written after a "
-                         "public phase. Resume it without public_train_dataset, or start again.")
+        raise LedgerError(f"DPTrainer: checkpoint {checkpoint} has no {RECORD_FILE}: it was not written after a "
+                          "public phase. Resume it without public_train_dataset, or start again.")
     if record is None:
         record = run_public_phase(trainer, trainer.public_train_dataset, trainer.public_eval_dataset)
     else:

@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from transformers import TrainerCallback, default_data_collator
 
+from ..errors import ArgumentError, DataError
+
 
 def hutchinson_trace(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], num_probes: int = 16,
                      generator: torch.Generator | None = None) -> tuple[float, float]:
@@ -143,7 +145,7 @@ class HessianTraceCallback(TrainerCallback):
     def __init__(self, dataset, every_n_steps: int = 50, num_probes: int = 16, max_examples: int = 64,
                  data_collator=None, seed: int = 0):
         if every_n_steps < 1 or num_probes < 1 or max_examples < 1:
-            raise ValueError("HessianTraceCallback: every_n_steps, num_probes and max_examples must be >= 1.")
+            raise ArgumentError("HessianTraceCallback: every_n_steps, num_probes and max_examples must be >= 1.")
         self.dataset, self.every_n_steps, self.num_probes = dataset, every_n_steps, num_probes
         self.max_examples, self.data_collator, self.seed = max_examples, data_collator, seed
         self.history: list[tuple[int, float, float]] = []  # (global step, tr(H), standard error)
@@ -153,8 +155,8 @@ class HessianTraceCallback(TrainerCallback):
     def attach(self, trainer) -> None:
         """Called by DPTrainer: refuse the private training set, and pause its per-sample hooks when estimating."""
         if self.dataset is trainer.train_dataset:
-            raise ValueError("HessianTraceCallback: the dataset is the private training set; its tr(H) would be "
-                             "logged outside DP-SGD. Give it public data.")
+            raise DataError("HessianTraceCallback: the dataset is the private training set; its tr(H) would be "
+                            "logged outside DP-SGD. Give it public data.")
         self._trainer = trainer
 
     def estimate(self, model, offset: int = 0) -> tuple[float, float]:
@@ -162,7 +164,7 @@ class HessianTraceCallback(TrainerCallback):
         device = next(model.parameters()).device
         batch = public_batch(self.dataset, self.max_examples, self.data_collator, device)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + offset)
-        hooks = getattr(self._trainer, "_grad_sample_hooks", None)
+        hooks = getattr(getattr(self._trainer, "engine", None), "clipper", None)  # DPTrainer's: paused meanwhile
         return model_trace(model, batch, self.num_probes, generator, hooks)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..errors import DPConfigError
 from ..privacy.accounting import calibrate_last_phase, calibrate_noise_multiplier
+from ..privacy.engine import EngineOptions
 from ..privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
 from .arguments import DPTrainingArguments
 
@@ -76,6 +79,13 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
         target_epsilon=eps, world_size=args.world_size, neighboring=rel,
         randomness="os-entropy" if args.noise_seed is None else "seeded", privacy_unit=args.privacy_unit,
     )
+
+
+def engine_options(args: DPTrainingArguments) -> EngineOptions:
+    """How the run's `DPEngine` runs: the arguments that do not change ε (so are not in the plan)."""
+    return EngineOptions(clipping_engine=args.clipping_engine, secure_mode=args.secure_mode,
+                         max_rows_per_unit=args.max_rows_per_unit,
+                         micro_batches_per_step=args.gradient_accumulation_steps, rank=args.process_index)
 
 
 def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int, saved_args: dict | None = None,
@@ -156,3 +166,16 @@ def continued_arguments(saved_args: dict, args: dict) -> dict[str, str]:
     checkpoint's value (`saved_args[argument]`), as the checkpoint's optimizer and scheduler state continue."""
     return {k: f"{c}: ignored on resume (the checkpoint's optimizer and learning-rate schedule continue; start a new "
                "run to change it)" for k in CONTINUED_ARGUMENTS if (c := _change(k, saved_args, args))}
+
+
+def probe_then_schedule(base, lp_steps: int, args: DPTrainingArguments, optimizer):
+    """The learning-rate schedule of a run with a linear-probing phase: a constant `lp_learning_rate` for its
+    `lp_steps`, then `base` (the configured schedule, made for the fine-tuning steps alone) shifted past them."""
+    if not isinstance(base, torch.optim.lr_scheduler.LambdaLR):
+        raise DPConfigError(f"DPTrainer: lr_scheduler_type={args.lr_scheduler_type!r} cannot be shifted past "
+                            "the linear-probing phase; use a step-based schedule (linear, cosine, constant, ...).")
+    lp_factor = (args.lp_learning_rate or args.learning_rate) / args.learning_rate
+    lambdas = [lambda step, f=f: lp_factor if step < lp_steps else f(step - lp_steps) for f in base.lr_lambdas]
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)

@@ -1,4 +1,6 @@
-"""The DP-SGD plan `DPTrainer` logs once at the start of training (a mixin placed before `Trainer`).
+"""What `DPTrainer` reports of its privacy: the ledger, ε in every log and the clipping that ran, read from its engine
+(`DPPrivacyReportMixin`, placed before `Trainer`); the DP-SGD plan, logged once at the start of training
+(`announce_plan`, on the main process); the library loggers' level following the Trainer's `log_level`.
 
 The plan and the clipping engine are routine INFO lines of the `hf_dp_repr` loggers, shown by the recipes (their
 logging setup) and, as the Trainer's own INFO lines, when `log_level` asks for them (`log_level="info"`). Lines that
@@ -10,6 +12,9 @@ import logging as std_logging
 
 from transformers.utils import logging
 
+from ..privacy.clipping_modes import clipping_mode
+from ..privacy.engine import DPEngine
+from ..privacy.ledger import PrivacyLedger
 from ..privacy.units import ROW, describe_unit
 from ..scope.blocks import block_stack_name, describe_trainable
 from . import TRAINER_LOGGER
@@ -17,50 +22,86 @@ from . import TRAINER_LOGGER
 logger = logging.get_logger(TRAINER_LOGGER)
 
 
-class DPPlanReportMixin:
-    """`_announce_plan`: σ, q, steps, ε at the end of the plan, and what trains in each phase."""
+class DPPrivacyReportMixin:
+    """`ledger`, `epsilon()`, `clipping_engine` and ε in the logs, from `self.engine` (a `DPEngine`, or None)."""
 
-    def _announce_plan(self) -> None:
-        if not self.is_world_process_zero():  # once, not once per process
-            return
-        led = self.ledger.plan  # the checkpoint's plan when resuming
-        if led.randomness == "seeded":
-            logger.warning(f"DPTrainer: noise_seed={self.args.noise_seed}. The noise and the batches are reproducible "
-                           "from this seed: the run is NOT private against anyone who knows it. Use it for tests and "
-                           "experiments only.")
-        if self.ledger.noise_multiplier == 0:
-            logger.warning("DPTrainer: noise_multiplier=0. This run is NOT differentially private (ε = ∞); "
-                           + ("no clipping (the plain gradient)" if led.clipping == "none" else
-                              "per-example clipping only") + ", as a non-private reference.")
-        if not led.poisson_sampling:
-            logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
-                           "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")
-        target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
-        lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, {led.neighboring} neighbours, accountant="
-                 f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
-                 f"C={led.per_sample_max_grad_norm}, unit of privacy: {describe_unit(led.privacy_unit)}, "
-                 f"{led.dataset_size} {'examples' if led.privacy_unit == ROW else 'units'}"
-                 + ("" if self.args.max_rows_per_unit is None
-                    else f" (at most {self.args.max_rows_per_unit} rows each per step)") +
-                 f"): ε at the end of the plan {led.planned_epsilon():.4f}"]
-        stack = block_stack_name(self.model, self.args.block_stack)
-        for i, phase in enumerate(led.phases):
-            lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "
-                         f"(expected batch {phase.expected_batch_size}), {phase.steps} steps; trains "
-                         f"{self.describe_scope(i)}")
-            params = (self._scopes[min(i, len(self._scopes) - 1)].parameters if self._scopes
-                      else [p for p in self.model.parameters() if p.requires_grad])
-            lines.append(describe_trainable(self.model, params, phase.noise_multiplier, led.per_sample_max_grad_norm,
-                                            phase.expected_batch_size, stack))
-        logger.info("\n".join(lines))
+    engine: DPEngine | None = None
 
-    def _follow_log_level(self) -> None:
-        """As the Trainer sets transformers' verbosity from `log_level` (main process) / `log_level_replica`, set the
-        `hf_dp_repr` loggers' level; with the default "passive" they keep what the program configured."""
-        level = self.args.log_level if self.args.should_log else self.args.log_level_replica
-        if level == "passive":
-            return
-        library = std_logging.getLogger("hf_dp_repr")
-        library.setLevel(self.args.get_process_log_level())
-        if not library.handlers and not std_logging.getLogger().handlers:  # no logging set up: print as transformers
-            library.addHandler(std_logging.StreamHandler())
+    @property
+    def ledger(self) -> PrivacyLedger | None:
+        """The run's privacy ledger (the engine's): its plan and the steps taken. None before training."""
+        return None if self.engine is None else self.engine.ledger
+
+    @ledger.setter
+    def ledger(self, ledger: PrivacyLedger) -> None:
+        """A finished run's ledger (a checkpoint's, a search's best trial's): what the trainer reports from now on."""
+        engine = DPEngine(ledger.plan, ledger=ledger, log=logger)
+        engine.clipping_engine, self.engine = self.clipping_engine, engine
+
+    @property
+    def clipping_engine(self) -> str | None:
+        """The per-example clipping that ran: "ghost" or "hooks" (same clipping, same guarantee)."""
+        return None if self.engine is None else self.engine.clipping_engine
+
+    def epsilon(self) -> float | None:
+        """ε spent so far (computed by the ledger's accountant, for its neighbouring relation), None before training."""
+        return None if self.ledger is None else self.engine.epsilon()
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it.
+        logs.pop("grad_norm", None)
+        privacy = {}
+        if self.ledger is not None:
+            privacy["epsilon"] = self.epsilon()
+            if len(self.ledger.plan.phases) > 1:
+                privacy.update({f"epsilon_{name}": eps for name, eps in self.engine.epsilon_by_phase().items()})
+        logged = {**logs, **privacy}
+        super().log(logged, *args, **kwargs)
+        # What the Trainer adds in place (epoch) reaches the caller; ε does not: eval metrics that a hyperparameter
+        # search scores must stay free of it.
+        logs.update({k: v for k, v in logged.items() if k not in privacy})
+
+
+def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model, block_stack, describe_scope,
+                  trained_params) -> None:
+    """Log the run's plan (`ledger.plan`: the checkpoint's when resuming): σ, q, steps, ε at its end, and per phase
+    i what trains (`describe_scope(i)`, `trained_params(i)`); warnings for a seeded noise, no noise, no Poisson."""
+    led = ledger.plan
+    if led.randomness == "seeded":
+        logger.warning(f"DPTrainer: noise_seed={noise_seed}. The noise and the batches are reproducible "
+                       "from this seed: the run is NOT private against anyone who knows it. Use it for tests and "
+                       "experiments only.")
+    if ledger.noise_multiplier == 0:
+        logger.warning("DPTrainer: noise_multiplier=0. This run is NOT differentially private (ε = ∞); "
+                       + ("no clipping (the plain gradient)" if not clipping_mode(led.clipping).private else
+                          "per-example clipping only") + ", as a non-private reference.")
+    if not led.poisson_sampling:
+        logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
+                       "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")
+    target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
+    lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, {led.neighboring} neighbours, accountant="
+             f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
+             f"C={led.per_sample_max_grad_norm}, unit of privacy: {describe_unit(led.privacy_unit)}, "
+             f"{led.dataset_size} {'examples' if led.privacy_unit == ROW else 'units'}"
+             + ("" if max_rows_per_unit is None else f" (at most {max_rows_per_unit} rows each per step)") +
+             f"): ε at the end of the plan {led.planned_epsilon():.4f}"]
+    stack = block_stack_name(model, block_stack)
+    for i, phase in enumerate(led.phases):
+        lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "
+                     f"(expected batch {phase.expected_batch_size}), {phase.steps} steps; trains "
+                     f"{describe_scope(i)}")
+        lines.append(describe_trainable(model, trained_params(i), phase.noise_multiplier,
+                                        led.per_sample_max_grad_norm, phase.expected_batch_size, stack))
+    logger.info("\n".join(lines))
+
+
+def follow_log_level(args) -> None:
+    """As the Trainer sets transformers' verbosity from `log_level` (main process) / `log_level_replica`, set the
+    `hf_dp_repr` loggers' level; with the default "passive" they keep what the program configured."""
+    level = args.log_level if args.should_log else args.log_level_replica
+    if level == "passive":
+        return
+    library = std_logging.getLogger("hf_dp_repr")
+    library.setLevel(args.get_process_log_level())
+    if not library.handlers and not std_logging.getLogger().handlers:  # no logging set up: print as transformers
+        library.addHandler(std_logging.StreamHandler())

@@ -26,6 +26,7 @@ from transformers import TrainerState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
+from ..errors import ArgumentError, LedgerError
 from ..privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan, write_atomically
 from .output_dir import ARGS_FILE, TRAINER_STATE, last_complete_checkpoint
 from .plan import continued_arguments, resume_ledger
@@ -42,8 +43,8 @@ def checkpoint_to_resume(output_dir: str, resume_from_checkpoint: str | bool) ->
         if skipped:
             logger.warning(f"DPTrainer: skipping incomplete checkpoint(s) of {output_dir}: {', '.join(skipped)}.")
         if path is None:
-            raise ValueError(f"DPTrainer: no complete checkpoint found in {output_dir} to resume from"
-                             + (f" (incomplete: {', '.join(skipped)})." if skipped else "."))
+            raise ArgumentError(f"DPTrainer: no complete checkpoint found in {output_dir} to resume from"
+                                + (f" (incomplete: {', '.join(skipped)})." if skipped else "."))
     else:
         path = str(resume_from_checkpoint)
     logger.warning(f"DPTrainer: resuming from {path}.")
@@ -57,8 +58,8 @@ def prepare_resume(trainer, checkpoint: str) -> PrivacyLedger:
     try:
         ledger = PrivacyLedger.load(checkpoint)
     except FileNotFoundError:
-        raise ValueError(f"DPTrainer: checkpoint {checkpoint} has no {LEDGER_FILE}; resuming would lose the "
-                         "privacy accounting. Resume only from checkpoints written by DPTrainer.") from None
+        raise LedgerError(f"DPTrainer: checkpoint {checkpoint} has no {LEDGER_FILE}; resuming would lose the "
+                          "privacy accounting. Resume only from checkpoints written by DPTrainer.") from None
     state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE))
     saved_args = _read_json(os.path.join(checkpoint, ARGS_FILE))  # None in checkpoints of older versions
     args = json.loads(trainer.args.to_json_string())
@@ -90,9 +91,9 @@ def read_spent(run_dir: str) -> PrivacyLedger | None:
         return None if d is None else PrivacyLedger(PrivacyPlan.from_dict(d["plan"]), int(d["steps_done"]),
                                                      tuple(tuple(r) for r in d["recomputed_steps"]))
     except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"DPTrainer: {path} is unreadable ({type(e).__name__}: {e}); it says how many noisy steps "
-                         "the interrupted run computed after its last checkpoint, which a resume must charge. "
-                         "Never edit it; delete it only if you know the run stopped at a checkpoint.") from None
+        raise LedgerError(f"DPTrainer: {path} is unreadable ({type(e).__name__}: {e}); it says how many noisy steps "
+                          "the interrupted run computed after its last checkpoint, which a resume must charge. "
+                          "Never edit it; delete it only if you know the run stopped at a checkpoint.") from None
 
 
 def charge_recomputed(ledger: PrivacyLedger, spent: PrivacyLedger | None, checkpoint: str) -> PrivacyLedger:

@@ -17,6 +17,7 @@ import shutil
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 from transformers.utils import PushInProgress, logging
 
+from ..errors import ArgumentTypeError
 from .arguments import check_hub_strategy
 from .checkpoint import load_checkpoint_weights
 from .output_dir import ARGS_FILE, STAGING_DIR, check_writable, fsync_folder
@@ -50,16 +51,13 @@ class DPSavingMixin:
         keep = args.should_save and (resuming or args.save_strategy != SaveStrategy.NO)
         self._spent_dir = args.output_dir if keep else None
 
-    def _write_spent(self) -> None:
-        if self._spent_dir is not None and self.ledger is not None:
+    def _write_spent(self, ledger=None) -> None:
+        """Record the ledger's position (after every noisy step: before anything derived from it is logged)."""
+        ledger = self.ledger if ledger is None else ledger
+        if self._spent_dir is not None and ledger is not None:
             from .resume import write_spent
 
-            write_spent(self._spent_dir, self.ledger)
-
-    def _record_step(self) -> None:
-        """One noisy step computed: accounted, and recorded on disk before anything derived from it is logged."""
-        self.ledger.record_step()
-        self._write_spent()
+            write_spent(self._spent_dir, ledger)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # transformers' own loader misses renamed keys (ViT) with a mere warning: restore exactly, or refuse.
@@ -181,7 +179,7 @@ class DPSavingMixin:
         from ..hub.card import ModelCardInfo, write_model_card
 
         if args:
-            raise TypeError("DPTrainer.create_model_card: pass its arguments by name (license=..., tags=...).")
+            raise ArgumentTypeError("DPTrainer.create_model_card: pass its arguments by name (license=..., tags=...).")
         if kwargs:
             self.model_card_info = ModelCardInfo.from_value(self.model_card_info).with_trainer_card_args(**kwargs)
         if self.is_world_process_zero():

@@ -1,14 +1,12 @@
 """`DPTrainer.hyperparameter_search`: the Trainer's search under DP (a mixin placed before `Trainer`), run by a
 registered backend (`search_backends`; "optuna" is `hf_dp_repr.tuning.search`), and what the trainer does around
-a search: each trial's model and scope, the data it tuned on, the best trial's record."""
+a search: the data it tuned on, the best trial's record. (Each trial's model gets its head_init and scope when its
+training starts: `DPTrainer.get_train_dataloader`.)"""
 
 from __future__ import annotations
 
 import copy
 
-from ..privacy.validation import check_model_is_privatizable
-from ..scope.head_init import init_head
-from ..scope.phases import phase_scopes
 from .search_backends import search_backend
 from .tuning_data import check_training_data
 
@@ -27,17 +25,6 @@ class DPSearchMixin:
         run_search = search_backend(str(getattr(backend, "value", backend)))
         return run_search(self, hp_space, compute_objective, n_trials, direction, hp_name, tuning_data, trial_count,
                           eval_data_public, keep_best_model, **kwargs)
-
-    def _hp_search_setup(self, trial) -> None:
-        super()._hp_search_setup(trial)
-        if self.model_init is not None:  # a fresh model (and maybe a new scope): what trains is decided again
-            check_model_is_privatizable(self.model)
-            init_head(self.model, self.args.head_init)  # the trial's (call_model_init ran before its arguments)
-            self._scopes = phase_scopes(self.model, self.args.trainable_blocks, self.args.lp_steps,
-                                        self.args.block_stack, self.args.trainable_groups)
-            if self._scopes:
-                self._scopes[-1].apply(self.model)
-            self._dp_optimizer = None
 
     def _check_training_data(self) -> None:
         """First thing a `train()` outside a search does: refuse the data this trainer's search tuned on (see
@@ -66,11 +53,7 @@ class DPSearchMixin:
         if record is not None:
             self.model = self.call_model_init()
             self.model.load_state_dict(record["weights"])
-            trial = record["args"]
-            self._scopes = phase_scopes(self.model, trial.trainable_blocks, trial.lp_steps, trial.block_stack,
-                                        trial.trainable_groups)
-            if self._scopes:
-                self._scopes[-1].apply(self.model)
+            self._set_scopes(self.model, record["args"])
             self.ledger, self._plan = record["ledger"], record["ledger"].plan
             self.state, self.objective = record["state"], record["objective"]
             self.state.trial_name = None  # hp_name(trial) may hold the trial's number, a bound on K

@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from ..errors import DPConfigError
+
 # name → the backend, or "module:function" until its first use
 SEARCH_BACKENDS: dict[str, Callable | str] = {}
 
@@ -28,11 +30,11 @@ def register_search_backend(name: str, backend: Callable | str) -> None:
 
 
 def search_backend(name: str) -> Callable:
-    """The backend registered as `name`; ValueError naming the registered ones otherwise."""
+    """The backend registered as `name`; a DPConfigError (a ValueError) naming the registered ones otherwise."""
     backend = SEARCH_BACKENDS.get(name)
     if backend is None:
-        raise ValueError(f"DPTrainer.hyperparameter_search: backend={name!r}; the backends that run a search under "
-                         f"DP (each trial's privacy plan is set up through them) are {sorted(SEARCH_BACKENDS)}.")
+        raise DPConfigError(f"DPTrainer.hyperparameter_search: backend={name!r}; the backends that run a search under "
+                            f"DP (each trial's privacy plan is set up through them) are {sorted(SEARCH_BACKENDS)}.")
     if isinstance(backend, str):
         module, _, function = backend.partition(":")
         backend = SEARCH_BACKENDS[name] = getattr(importlib.import_module(module), function)

@@ -1,12 +1,13 @@
 """`DPTrainer`: DP-SGD inside `transformers.Trainer`.
 
 What changes against the plain Trainer, and nothing else:
-- batches: Poisson sampling of logical batches (`privacy.sampler`), split into the accumulation micro-batches;
-- gradients: Opacus per-sample gradient hooks on the unwrapped HF model (so what is saved is a plain HF
-  model), each example's gradient clipped after its micro-batch, Gaussian noise once per logical step;
+- DP-SGD: one object, `trainer.engine` (`privacy.engine.DPEngine`), made from the run's frozen `PrivacyPlan` when
+  training starts: Poisson batches, per-example clipping on the unwrapped HF model (so what is saved is a plain HF
+  model), noise once per logical step from the run's secret, the `PrivacyLedger` stepped at every update;
 - loss: the sum of per-example losses (`privacy.loss`), overridable through `per_example_loss`;
-- accounting: σ calibrated for the whole planned run (a frozen `PrivacyPlan`), a `PrivacyLedger` stepped at every
-  update, `epsilon` in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`.
+- accounting: `epsilon` in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`;
+- what trains: each phase's scope (`scope.phases`), on features cached from frozen weights (`trainer.features`).
+The private `Trainer` members it overrides or relies on are listed in `training.hf_compat`.
 
 Example (runs in seconds on a CPU):
     >>> from hf_dp_repr import DPTrainer, DPTrainingArguments
@@ -28,63 +29,58 @@ from __future__ import annotations
 import datasets
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer, default_data_collator
+from transformers import Trainer
 from transformers.utils import ModelOutput, logging
 
+from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, MissingColumnError, UnsupportedError
 from ..hub.card import ModelCardInfo
+from ..privacy.engine import DPEngine
 from ..privacy.grad_samplers import batch_position_ids
 from ..privacy.ledger import PrivacyLedger, PrivacyPlan
 from ..privacy.loss import is_causal_lm, per_example_loss
-from ..privacy.optimizer import MicroBatchDPOptimizer
 from ..privacy.probe import probe_training_rows
 from ..privacy.randomness import DPRandomness
-from ..privacy.sampler import (
-    UNIT_KEY,
-    ExampleBatchCollator,
-    PoissonBatchSampler,
-    SamplerEpochCallback,
-    ShuffledBatchSampler,
-)
-from ..privacy.units import ROW, UnitPoissonBatchSampler, UnitRowsDataset, column_values, unit_rows
+from ..privacy.sampler import UNIT_KEY, ExampleBatchCollator, SamplerEpochCallback
+from ..privacy.units import ROW, UnitRowsDataset, column_values, unit_rows
 from ..privacy.validation import check_model_is_privatizable, check_train_dataset
 from ..scope.cached_head import set_probe_modes
 from ..scope.head_init import init_head
 from ..scope.lora import has_peft_adapters
 from ..scope.phases import phase_scopes
-from ..scope.prefix_cache import STATES_KEY, StatesCollator, StatesDataset, run_from_states, set_frozen_prefix_modes
+from ..scope.prefix_cache import STATES_KEY, run_from_states, set_frozen_prefix_modes
 from . import TRAINER_LOGGER
 from .argument_checks import check_one_run
 from .argument_fields import check_refused_fields, train_dataloader_options
 from .arguments import DPTrainingArguments, check_hub_strategy
-from .clipping import DPClippingMixin
 from .continual import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
-from .features import DPFeatureCacheMixin
-from .plan import plan_run, resume_ledger
-from .report import DPPlanReportMixin
+from .features import DPFeatureCacheMixin, FeatureCaches
+from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
+from .report import DPPrivacyReportMixin, announce_plan, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
 from .search import DPSearchMixin
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
-class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCacheMixin, DPSavingMixin,
-                DPEvalOverlapMixin, Trainer):
+class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin,
+                Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
     about the data and the base model). The training loss logged by the Trainer is computed on private data and is
-    not covered by the DP guarantee (which covers the weights); ε is logged as `epsilon`.
+    not covered by the DP guarantee (which covers the weights); ε is logged as `epsilon`. `engine` is the run's
+    `DPEngine` (None before training).
     """
 
     def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, peft_config=None,
                  model_card_info: ModelCardInfo | dict | None = None, public_train_dataset=None,
                  public_eval_dataset=None, **kwargs):
         if not isinstance(args, DPTrainingArguments):
-            raise TypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
+            raise ArgumentTypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError(
+            raise DPConfigError(
                 "DPTrainer: compute_loss_func returns a batch loss; DP-SGD needs one loss per example. "
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
@@ -94,12 +90,13 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         check_public_phase(args, train_dataset, public_train_dataset, public_eval_dataset)
         self.public_train_dataset, self.public_eval_dataset = public_train_dataset, public_eval_dataset
         self.continual_record: dict | None = None  # public → private: switch step, tr(H), decelerator, ε
+        self.engine: DPEngine | None = None  # the run's DP machinery, made when training starts
         self._unit_rows: tuple | None = None  # (each row's unit index, number of units) with a privacy_unit column
         if train_dataset is not None:
             check_train_dataset(train_dataset, args.target_delta, lambda: self._read_units(train_dataset, args))
         if peft_config is not None:
             if model is None:
-                raise ValueError("DPTrainer: peft_config needs a model to wrap.")
+                raise ArgumentError("DPTrainer: peft_config needs a model to wrap.")
             from ..scope.lora import apply_peft_config
 
             model = apply_peft_config(model, peft_config)
@@ -110,30 +107,20 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         if model is not None:
             check_model_is_privatizable(model)
             init_head(model, args.head_init)
-        self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack,
-                                     args.trainable_groups)
-                        if model is not None else [])
-        if self._scopes:
-            self._scopes[-1].apply(model)
+        self._set_scopes(model, args)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        # DP-SGD sums per-example losses itself: the Trainer must not count the batch's items (`hf_compat`)
+        self.model_accepts_loss_kwargs = False
         self.model_card_info = ModelCardInfo.from_value(model_card_info)  # written by model_card.write_model_card
         self.run_hooks: list = []  # called as hook(self, "complete" | "failed") when a train() ends (e.g. a search's)
-        self._follow_log_level()
+        follow_log_level(self.args)
         self._check_eval_overlap()
-        self.ledger: PrivacyLedger | None = None
         self._plan: PrivacyPlan | None = None
-        self._applied_phase: int | None = None
-        self._features_ready = False  # the feature caches (trainer_features) of this train() are prepared
-        self._dp_optimizer = None
-        self._grad_sample_hooks = None
-        self._ghost_engine = None  # a GhostClippingEngine while training with clipping_engine='ghost'
-        self.clipping_engine: str | None = None  # the engine that ran: "ghost" or "hooks"
-        self._batch_sampler = None
+        self.features = FeatureCaches()  # features cached from frozen weights (training/features.py)
         self._resume_ledger: PrivacyLedger | None = None
-        self._epsilon_cache: tuple[int, float] | None = None
-        self._randomness: DPRandomness | None = None  # the run's secret; made fresh by every train()
+        self._several_rows = frozenset()  # modules with several rows per example (the probe of each train())
         self._shifts_labels = is_causal_lm(self.model)
-        self.add_callback(SamplerEpochCallback(lambda: self._batch_sampler))
+        self.add_callback(SamplerEpochCallback(lambda: None if self.engine is None else self.engine.sampler))
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
             if hasattr(cb, "attach"):
                 cb.attach(self)
@@ -142,13 +129,21 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
 
     def call_model_init(self, trial=None):
         """The Trainer's, then `args.head_init` applied to the fresh model. During a hyperparameter search the
-        trial's arguments are set after the model is made, so `_hp_search_setup` applies the trial's head_init."""
+        trial's arguments are set after the model is made: its head_init is applied by `get_train_dataloader`."""
         model = super().call_model_init(trial)
         if getattr(self, "hp_search_backend", None) is None:
             init_head(model, self.args.head_init)
         return model
 
-    # ---- the privacy plan -------------------------------------------------------------------------
+    # ---- what trains, and the privacy plan ----------------------------------------------------------------------
+    def _set_scopes(self, model, args) -> None:
+        """`model`'s phase scopes, the last applied (the optimizer covers all phases'; each phase freezes the rest)."""
+        self._scopes = (phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack,
+                                     args.trainable_groups) if model is not None else [])
+        if self._scopes:
+            self._scopes[-1].apply(model)
+        self._scoped_model = model
+
     def _read_units(self, dataset, args) -> int | None:
         """With a privacy_unit column: read it (before the Trainer removes unused columns) and return U."""
         self._unit_rows = None
@@ -167,36 +162,29 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
 
     # ---- data: Poisson logical batches --------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
+        """The first thing the Trainer's loop asks for: a model made by model_init (a search trial's, with the
+        trial's arguments now set) gets its head_init and scope; the features are cached; the engine is made
+        from the plan; its sampler draws the batches."""
         if self.train_dataset is None:
-            raise ValueError("DPTrainer: training requires a train_dataset.")
-        if not self._features_ready:
-            self._prepare_feature_caches()
-            self._features_ready = True
-        args = self.args
-        if self._cached_head is not None:
-            dataset, collator = self._cached_inputs, default_data_collator
-        else:
-            dataset, collator = self._train_dataset_and_collator()
-            if self._prefix_states is not None:
-                dataset, collator = StatesDataset(dataset, self._prefix_states.states), StatesCollator(collator)
-        plan = self.privacy_plan()
-        n = plan.dataset_size  # rows, or units
-        batch = plan.phases[-1].expected_batch_size
-        common = dict(steps_per_epoch=max(1, n // batch),
-                      micro_batches_per_step=args.gradient_accumulation_steps, world_size=args.world_size,
-                      rank=args.process_index, seed=self._randomness.sampling_seed())
-        if self._unit_rows is not None and self._cached_head is None:
-            self._batch_sampler = UnitPoissonBatchSampler(
-                self._unit_rows[0], n, sample_rate=plan.sample_rate_at, secure=args.secure_mode,
-                max_rows_per_unit=args.max_rows_per_unit, **common)
-        elif args.poisson_sampling:
-            self._batch_sampler = PoissonBatchSampler(num_samples=n, sample_rate=plan.sample_rate_at,
-                                                      secure=args.secure_mode, **common)
-        else:
-            self._batch_sampler = ShuffledBatchSampler(num_samples=n, batch_size=batch, **common)
+            raise DataError("DPTrainer: training requires a train_dataset.")
+        if self.model is not self._scoped_model:  # what trains is decided again for a fresh model
+            check_model_is_privatizable(self.model)
+            if self.hp_search_backend is not None:  # a trial's (call_model_init ran before its arguments were set)
+                init_head(self.model, self.args.head_init)
+            self._set_scopes(self.model, self.args)
+        units = self._unit_rows is not None
+        if not self.features.ready:
+            self.features.prepare(self.model, [] if units else self._scopes, self.args, self.train_dataset,
+                                  self._train_dataset_and_collator)
+        dataset, collator = self.features.train_inputs(self._train_dataset_and_collator)
+        if self.engine is None:  # the run's secret is drawn now: fresh for every train()
+            randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
+            self.engine = DPEngine(self.privacy_plan(), engine_options(self.args), randomness, log=logger)
+        cached = self.features.cached_head is not None
+        sampler = self.engine.batch_sampler(self._unit_rows[0] if units and not cached else None)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
-        return DataLoader(dataset, batch_sampler=self._batch_sampler, collate_fn=ExampleBatchCollator(collator),
-                          **train_dataloader_options(args))
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=ExampleBatchCollator(collator),
+                          **train_dataloader_options(self.args))
 
     def _train_dataset_and_collator(self):
         dataset, collator = self.train_dataset, self.data_collator
@@ -211,30 +199,26 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             dataset = UnitRowsDataset(dataset, self._unit_rows[0], unit)
         return dataset, collator
 
-    # ---- optimizer: Opacus hooks + DP optimizer -------------------------------------------------------
+    # ---- optimizer: the engine's DP optimizer around the Trainer's --------------------------------------------
     def create_optimizer(self, model=None):
-        if self._dp_optimizer is not None and self.optimizer is self._dp_optimizer:
-            self._attach_hooks()
+        engine = self.engine
+        if engine is None:
+            raise UnsupportedError("DPTrainer: the DP optimizer is made by train(), after its training dataloader.")
+        if engine.optimizer is not None and self.optimizer is engine.optimizer:
+            engine.attach(self.model)
             return self.optimizer
-        if self._scopes:  # the optimizer and hooks cover every phase's scope; each phase then freezes the rest
+        if self._scopes:  # the optimizer and clipper cover every phase's scope; each phase then freezes the rest
             self._scopes[-1].apply(self.model)
         super().create_optimizer(model)
-        plan = self.privacy_plan()
-        self.ledger = PrivacyLedger(plan) if self._resume_ledger is None else resume_ledger(
-            plan, self._resume_ledger, self.state.global_step)
-        self._attach_hooks()
-        self._dp_optimizer = MicroBatchDPOptimizer(
-            self.optimizer, clipping=self.args.clipping, noise_multiplier=self.ledger.noise_multiplier,
-            max_grad_norm=self.args.per_sample_max_grad_norm, expected_batch_size=self.ledger.expected_batch_size,
-            noise_generator=lambda device: self._randomness.noise_generator(self.ledger.steps_done, device),
-            world_size=self.args.world_size, rank=self.args.process_index, secure_mode=self.args.secure_mode,
-            engine=self._ghost_engine,
-        )
-        self._dp_optimizer.attach_step_hook(lambda _opt: self._record_step())
+        ledger = None if self._resume_ledger is None else resume_ledger(engine.plan, self._resume_ledger,
+                                                                          self.state.global_step)
+        self.optimizer = engine.start(self.optimizer, self.model, ledger, several=self._several_rows)
+        engine.after_step.append(self._write_spent)
         self._write_spent()
-        self.optimizer = self._dp_optimizer
-        self._announce_plan()
-        self._applied_phase = None
+        if self.is_world_process_zero():  # once, not once per process
+            announce_plan(self.ledger, noise_seed=self.args.noise_seed, max_rows_per_unit=self.args.max_rows_per_unit,
+                          model=self.model, block_stack=self.args.block_stack, describe_scope=self.describe_scope,
+                          trained_params=self._trained_params)
         self._sync_phase()
         return self.optimizer
 
@@ -246,35 +230,30 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
             return super().create_scheduler(num_training_steps, optimizer)
         lp_steps = plan.phases[0].steps
         base = super().create_scheduler(num_training_steps - lp_steps, optimizer)
-        if not isinstance(base, torch.optim.lr_scheduler.LambdaLR):
-            raise ValueError(f"DPTrainer: lr_scheduler_type={self.args.lr_scheduler_type!r} cannot be shifted past "
-                             "the linear-probing phase; use a step-based schedule (linear, cosine, constant, ...).")
-        lp_factor = (self.args.lp_learning_rate or self.args.learning_rate) / self.args.learning_rate
-        lambdas = [lambda step, f=f: lp_factor if step < lp_steps else f(step - lp_steps) for f in base.lr_lambdas]
-        for group in (optimizer or self.optimizer).param_groups:
-            group["lr"] = group["initial_lr"]
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambdas)
+        self.lr_scheduler = probe_then_schedule(base, lp_steps, self.args, optimizer or self.optimizer)
         return self.lr_scheduler
 
     def _sync_phase(self) -> None:
-        """Train the scope of the phase the next step belongs to, with that phase's σ and expected batch."""
-        index = self.ledger.phase_index()
-        if index == self._applied_phase:
+        """Train the scope of the phase the next step belongs to (the engine sets its σ and expected batch)."""
+        first = self.engine.phase is None
+        index = self.engine.enter_phase()
+        if index is None:
             return
         if len(self._scopes) > 1:
-            # Hooks only on this phase's modules: a frozen module that gradients flow through (below a tied head)
-            # must not compute per-sample gradients.
+            # The clipper only on this phase's modules: a frozen module that gradients flow through (below a tied
+            # head) must not compute per-sample gradients.
             self._scopes[index].apply(self.model)
-            self._remove_hooks()
-            self._attach_hooks()
-        phase = self.ledger.plan.phases[index]
-        self._dp_optimizer.noise_multiplier = phase.noise_multiplier
-        self._dp_optimizer.expected_batch_size = phase.expected_batch_size
-        if self._applied_phase is not None:
+            self.engine.reattach(self.model)
+        if not first:
+            phase = self.engine.plan.phases[index]
             logger.info(f"DP-SGD phase '{phase.name}' starts at step {self.ledger.steps_done}: σ="
                         f"{phase.noise_multiplier:.4f}, expected batch {phase.expected_batch_size}, "
                         f"training {self.describe_scope(index)}")
-        self._applied_phase = index
+
+    def _trained_params(self, phase: int) -> list:
+        if self._scopes:
+            return self._scopes[min(phase, len(self._scopes) - 1)].parameters
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def describe_scope(self, phase: int | None = None) -> str:
         """What trains, in one line (for a phase index, or the whole run)."""
@@ -301,37 +280,34 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         if not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
             return torch.zeros((), device=self.args.device)
         model.train()
-        scope = self._scopes[min(self._applied_phase or 0, len(self._scopes) - 1)] if self._scopes else None
+        scope = self._scopes[min(self.engine.phase, len(self._scopes) - 1)] if self._scopes else None
+        cache = self.features
         if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
             set_probe_modes(self.model, scope.head_modules)
-        elif self._prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
-            set_frozen_prefix_modes(self.model, self._prefix_cut)
+        elif cache.prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
+            set_frozen_prefix_modes(self.model, cache.prefix_cut)
         states = inputs.pop(STATES_KEY, None)
         inputs = self._prepare_inputs(inputs)
         if "labels" not in inputs:
-            raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")
+            raise MissingColumnError("DPTrainer: the batch has no `labels`; per-example losses need them.")
         labels = inputs.pop("labels")
         unit_ids = inputs.pop(UNIT_KEY, None)
         batch_position_ids(self.model, inputs)
         # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
         # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
-        with self.accelerator.no_sync(model), self._clipping_recording(len(labels)):
+        with self.accelerator.no_sync(model), self.engine.recording(len(labels)):
             with self.compute_loss_context_manager():
-                if self._cached_head is not None:
-                    outputs = ModelOutput(logits=self.model.get_submodule(self._cached_head)(inputs["features"]))
+                if cache.cached_head is not None:
+                    outputs = ModelOutput(logits=self.model.get_submodule(cache.cached_head)(inputs["features"]))
                 elif states is not None:  # only the trained blocks run, from the cached states
-                    with run_from_states(self.model, self._prefix_cut.stack_name, self._prefix_cut.first, states):
+                    with run_from_states(self.model, cache.prefix_cut.stack_name, cache.prefix_cut.first, states):
                         outputs = model(**inputs)
                 else:
                     outputs = model(**inputs)
                 losses = self.per_example_loss(outputs, labels)
             self.accelerator.backward(losses.sum())
-        self._dp_optimizer.accumulate_micro_batch(unit_ids)
+        self.engine.after_backward(unit_ids)
         return losses.detach().mean() / self.current_gradient_accumulation_steps
-
-    def _get_num_items_in_batch(self, batch_samples, device):
-        # DP-SGD sums per-example losses itself; the Trainer's count would also crash on an empty micro-batch.
-        return None
 
     # ---- run, log, save -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -340,7 +316,6 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         self._plan = None
         check_one_run(self.args.world_size)
         self._check_eval_overlap()  # the eval set or the arguments may have changed since init
-        self._randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
         if self.train_dataset is not None:  # before any work: labels, the model's inputs, rows that are not examples
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
             check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
@@ -352,47 +327,25 @@ class DPTrainer(DPSearchMixin, DPClippingMixin, DPPlanReportMixin, DPFeatureCach
         path = checkpoint_to_resume(self.args.output_dir, resume_from_checkpoint) if resume_from_checkpoint else None
         if path is not None:
             self._resume_ledger = prepare_resume(self, path)  # plan/arguments checked, lost steps charged
-            self._dp_optimizer = None
             self.optimizer = None
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
         self._start_spent_record(resuming=path is not None)
         if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
             start_continual(self, path)
-        self._features_ready = False  # prepared with the training dataloader, on the model that trains
+        self.features.ready = False  # prepared with the training dataloader, on the model that trains
+        self.engine = None  # a new run: its engine (and secret randomness) is made with its training dataloader
         state = "failed"
         try:
             output = super().train(resume_from_checkpoint=path, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             state = "complete"
         finally:
-            self._detach_hooks()
+            if self.engine is not None:
+                self.engine.detach(self.model)
             for hook in self.run_hooks:
                 hook(self, state)
         output.metrics["epsilon"] = self.epsilon()
         if self.continual_record is not None:
             finish_record(self)
         return output
-
-    def epsilon(self) -> float | None:
-        """ε spent so far (computed by the ledger's accountant, for its neighbouring relation), None before training."""
-        if self.ledger is None:
-            return None
-        steps = self.ledger.steps_done
-        if self._epsilon_cache is None or self._epsilon_cache[0] != steps:
-            self._epsilon_cache = (steps, self.ledger.epsilon())
-        return self._epsilon_cache[1]
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it.
-        logs.pop("grad_norm", None)
-        privacy = {}
-        if self.ledger is not None:
-            privacy["epsilon"] = self.epsilon()
-            if len(self.ledger.plan.phases) > 1:
-                privacy.update({f"epsilon_{name}": eps for name, eps in self.ledger.epsilon_by_phase().items()})
-        logged = {**logs, **privacy}
-        super().log(logged, *args, **kwargs)
-        # What the Trainer adds in place (epoch) reaches the caller; ε does not: eval metrics that a hyperparameter
-        # search scores must stay free of it.
-        logs.update({k: v for k, v in logged.items() if k not in privacy})

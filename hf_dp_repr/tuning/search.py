@@ -37,11 +37,15 @@ import csv
 import itertools
 import math
 import os
+import re
 import secrets
+import warnings
 
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
 from transformers.utils import logging
 
+from .._moved import REMOVED_IN
+from ..errors import DPConfigError
 from ..training.plan import plan_run
 from ..training.tuning_data import check_search_data
 from .selection_privacy import TrialCount, rdp_curve, search_epsilon, single_run_epsilon
@@ -55,15 +59,14 @@ SCHEDULE_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "
 # Arguments that define the guarantee: a search over them would compare runs with different guarantees.
 FORBIDDEN_KEYS = ("target_epsilon", "target_delta", "noise_multiplier", "accountant", "neighboring",
                   "poisson_sampling", "noise_seed", "secure_mode", "seed")
-SCOPE_KEY = "trainable_scope"  # "all", "blocks:k" (trainable_blocks=k) or a trainable_groups spec
+SCOPE_KEY = "trainable_scope"  # "all", an int k (trainable_blocks=k) or a trainable_groups spec
 
 
 def default_dp_hp_space(trial, depth: int, dataset_size: int) -> dict:
     """The default DP search space: learning rate, epochs, clipping norm and mode, logical batch, trainable scope
     and the share of steps spent linear probing first."""
     batches = [b for b in (32, 64, 128, 256) if b <= dataset_size // 2] or [max(1, dataset_size // 2)]
-    scopes = ["blocks:0", "blocks:1", f"blocks:{max(1, depth // 2)}", f"blocks:{depth}", "all", "biases,head",
-              "norms,head"]
+    scopes = [0, 1, max(1, depth // 2), depth, "all", "biases,head", "norms,head"]
     params = {
         "learning_rate": trial.suggest_float("learning_rate", 1e-4, 3e-2, log=True),
         "num_train_epochs": trial.suggest_categorical("num_train_epochs", [2, 5, 10]),
@@ -72,18 +75,22 @@ def default_dp_hp_space(trial, depth: int, dataset_size: int) -> dict:
         "clipping": trial.suggest_categorical("clipping", ["flat", "automatic"]),
         SCOPE_KEY: trial.suggest_categorical(SCOPE_KEY, list(dict.fromkeys(scopes))),
     }
-    if params[SCOPE_KEY] != "blocks:0":  # no probing phase before a linear probe
+    if params[SCOPE_KEY] != 0:  # no probing phase before a linear probe
         params["lp_steps"] = trial.suggest_categorical("lp_steps", [0.0, 0.1, 0.3])
     return params
 
 
 def scope_arguments(value) -> dict:
-    """trainable_blocks / trainable_groups for a `trainable_scope` choice."""
+    """trainable_blocks / trainable_groups for a `trainable_scope`: "all" (or None), an int k (`trainable_blocks=k`,
+    i.e. "last:k,final,head") or a `trainable_groups` spec; "blocks:k" is k's old spelling (DeprecationWarning)."""
     if value in (None, "all"):
         return {"trainable_blocks": None, "trainable_groups": None}
-    if isinstance(value, str) and value.startswith("blocks:"):
-        return {"trainable_blocks": int(value.split(":")[1]), "trainable_groups": None}
-    return {"trainable_blocks": None, "trainable_groups": value}
+    if isinstance(value, str) and (old := re.fullmatch(r"blocks:(\d+)", value.strip())):
+        warnings.warn(f"trainable_scope={value!r} is the old spelling of trainable_scope={int(old[1])}; 'blocks:k' "
+                      f"goes in {REMOVED_IN}", DeprecationWarning, stacklevel=3)
+        value = int(old[1])
+    k = isinstance(value, int) and not isinstance(value, bool)  # else a groups spec, checked by validate_dp_fields
+    return {"trainable_blocks": value if k else None, "trainable_groups": None if k else value}
 
 
 class DPSearch:
@@ -106,8 +113,8 @@ class DPSearch:
         params = dict(self.user_space(trial))
         bad = sorted(set(params) & set(FORBIDDEN_KEYS))
         if bad:
-            raise ValueError(f"hyperparameter_search: hp_space sets {bad}, which define the privacy guarantee itself; "
-                             "every trial must spend the same target (ε, δ). Fix them in DPTrainingArguments.")
+            raise DPConfigError(f"hyperparameter_search: hp_space sets {bad}, which define the privacy guarantee "
+                                "itself; every trial must spend the same target (ε, δ): fix them in the arguments.")
         if SCOPE_KEY in params:
             params.update(scope_arguments(params.pop(SCOPE_KEY)))
         args = self.trainer.args
@@ -115,8 +122,8 @@ class DPSearch:
             setattr(args, key, copy.deepcopy(getattr(self.baseline, key)))  # forget the previous trial's values
         unknown = [k for k in params if not hasattr(args, k)]
         if unknown:
-            raise ValueError(f"hyperparameter_search: hp_space returns {unknown}, which are not DPTrainingArguments "
-                             f"fields (nor '{SCOPE_KEY}').")
+            raise DPConfigError(f"hyperparameter_search: hp_space returns {unknown}, which are not DPTrainingArguments "
+                                f"fields (nor '{SCOPE_KEY}').")
         for key, value in params.items():
             setattr(args, key, value)
         validate_dp_fields(args)
@@ -133,9 +140,9 @@ class DPSearch:
                 continue
             dist = trial.distributions.get(key)
             if not isinstance(dist, CategoricalDistribution):
-                raise ValueError(f"hyperparameter_search(tuning_data='private'): '{key}' sets the privacy schedule, so "
-                                 "the search cost is bounded over every value it can take; suggest it with "
-                                 "trial.suggest_categorical (a finite set), not a continuous range.")
+                raise DPConfigError(f"hyperparameter_search(tuning_data='private'): '{key}' sets the privacy schedule, "
+                                    "so the search cost is bounded over every value it can take; suggest it with "
+                                    "trial.suggest_categorical (a finite set), not a continuous range.")
             self.schedule_choices[key] = sorted(set(self.schedule_choices.get(key, [])) | set(dist.choices),
                                                 key=repr)
 
@@ -277,43 +284,44 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
 def _check_request(trainer, n_trials, direction, tuning_data, trial_count, eval_data_public, study_kwargs) -> None:
     args = trainer.args
     if tuning_data not in TUNING_DATA:
-        raise ValueError(f"hyperparameter_search: tuning_data={tuning_data!r}; use one of {TUNING_DATA} ('public' or "
-                         "'held_out': the trials do not train on the private set; 'private': accounted).")
+        raise DPConfigError(f"hyperparameter_search: tuning_data={tuning_data!r}; use one of {TUNING_DATA} ('public' "
+                            "or 'held_out': the trials do not train on the private set; 'private': accounted).")
     if trainer.model_init is None:
-        raise ValueError("hyperparameter_search: pass model_init= to DPTrainer (each trial starts from a fresh model).")
+        raise DPConfigError("hyperparameter_search: pass model_init= to DPTrainer (each trial needs a fresh model).")
     if args.target_epsilon is None:
-        raise ValueError("hyperparameter_search needs target_epsilon (each trial's σ is calibrated so that it spends "
-                         "exactly that ε); with a fixed noise_multiplier every trial would spend a different ε.")
+        raise DPConfigError("hyperparameter_search needs target_epsilon (each trial's σ is calibrated so that it "
+                            "spends exactly that ε); with a fixed noise_multiplier each trial would spend another ε.")
     if direction not in ("minimize", "maximize"):
-        raise ValueError(f"hyperparameter_search: direction={direction!r}; one objective, 'minimize' or 'maximize'.")
+        raise DPConfigError(f"hyperparameter_search: direction={direction!r}; one objective, 'minimize' or 'maximize'.")
     if tuning_data != "private":
         if trial_count is not None:
-            raise ValueError("hyperparameter_search: trial_count is for tuning_data='private' (a random number of "
-                             "trials, accounted); with public or held-out data give n_trials.")
+            raise DPConfigError("hyperparameter_search: trial_count is for tuning_data='private' (a random number of "
+                                "trials, accounted); with public or held-out data give n_trials.")
         if not n_trials or n_trials < 1:
-            raise ValueError(f"hyperparameter_search: n_trials={n_trials}; give the number of trials (>= 1).")
+            raise DPConfigError(f"hyperparameter_search: n_trials={n_trials}; give the number of trials (>= 1).")
         return
     if n_trials is not None:
-        raise ValueError("hyperparameter_search(tuning_data='private'): the number of trials must be random and "
-                         "secret for the Papernot-Steinke bound; give trial_count=TrialCount.geometric(γ) (or "
-                         ".negative_binomial / .logarithmic / .poisson) instead of n_trials.")
+        raise DPConfigError("hyperparameter_search(tuning_data='private'): the number of trials must be random and "
+                            "secret for the Papernot-Steinke bound; give trial_count=TrialCount.geometric(γ) (or "
+                            ".negative_binomial / .logarithmic / .poisson) instead of n_trials.")
     if not isinstance(trial_count, TrialCount):
-        raise ValueError("hyperparameter_search(tuning_data='private') needs trial_count=TrialCount.geometric(γ), "
-                         "e.g. γ = 0.1 for 10 trials on average.")
+        raise DPConfigError("hyperparameter_search(tuning_data='private') needs trial_count=TrialCount.geometric(γ), "
+                            "e.g. γ = 0.1 for 10 trials on average.")
     if not eval_data_public:
-        raise ValueError("hyperparameter_search(tuning_data='private'): each trial is scored on eval_dataset outside "
-                         "DP-SGD; the Papernot-Steinke bound covers the selection only if that data is public. Pass "
-                         "a public validation set as eval_dataset and state eval_data_public=True.")
+        raise DPConfigError("hyperparameter_search(tuning_data='private'): each trial is scored on eval_dataset "
+                            "outside DP-SGD; the Papernot-Steinke bound covers the selection only if that data is "
+                            "public. Pass a public validation set as eval_dataset and state eval_data_public=True.")
     if args.report_to:
-        raise ValueError(f"hyperparameter_search(tuning_data='private'): report_to={args.report_to} would send every "
-                         "trial's logs (and so the secret number of trials) to a tracker; set report_to='none'.")
+        raise DPConfigError(f"hyperparameter_search(tuning_data='private'): report_to={args.report_to} would send "
+                            "every trial's logs (and so the secret number of trials) to a tracker; set "
+                            "report_to='none'.")
     if any(k in study_kwargs for k in ("sampler", "pruner")):
-        raise ValueError("hyperparameter_search(tuning_data='private'): the sampler and pruner are fixed (random "
-                         "hyperparameters from a secret seed, no pruning): an adaptive sampler or a pruner makes "
-                         "one trial depend on the private results of others, which the bound does not cover.")
+        raise DPConfigError("hyperparameter_search(tuning_data='private'): the sampler and pruner are fixed (random "
+                            "hyperparameters from a secret seed, no pruning): an adaptive sampler or a pruner makes "
+                            "one trial depend on the private results of others, which the bound does not cover.")
     if args.save_strategy != "no" or args.push_to_hub:
-        raise ValueError("hyperparameter_search(tuning_data='private'): only the best trial may be released; set "
-                         "save_strategy='no' and push_to_hub=False (the best trial is saved to output_dir/best_trial).")
+        raise DPConfigError("hyperparameter_search(tuning_data='private'): only the best trial may be released; set "
+                            "save_strategy='no' and push_to_hub=False (the best trial goes to output_dir/best_trial).")
     if args.noise_seed is not None:
         logger.warning("hyperparameter_search: noise_seed is set, so no trial is private (testing only).")
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
+from ..errors import ArgumentError
+
 # RDP orders λ (and λ̂): fine near 1, where small ε lives, up to 512 for large ε.
 ORDERS = np.array([1 + x / 20 for x in range(1, 100)] + list(range(6, 64)) + [64, 80, 96, 128, 192, 256, 512],
                   dtype=float)
@@ -48,7 +50,7 @@ def rdp_curve(history, orders=ORDERS, neighboring: str = "add_remove") -> np.nda
     """ε(λ) at each order of a DP-SGD schedule [(σ, q, steps), ...]: Opacus' RDP analysis for add/remove
     neighbours, `replace_one_rdp` for replace-one neighbours."""
     if neighboring not in ("add_remove", "replace_one"):
-        raise ValueError(f"rdp_curve: unknown neighbouring relation {neighboring!r}.")
+        raise ArgumentError(f"rdp_curve: unknown neighbouring relation {neighboring!r}.")
     total = np.zeros(len(orders))
     for sigma, q, steps in history:
         if sigma == 0:
@@ -92,15 +94,15 @@ class TrialCount:
     def __post_init__(self):
         if self.kind == "truncated_negative_binomial":
             if not (0 < self.gamma < 1 and self.eta >= 0):
-                raise ValueError(f"trial count: truncated negative binomial needs 0 < gamma < 1 and eta >= 0 (eta in "
-                                 f"(-1, 0) is valid in the paper but not sampled here); got eta={self.eta}, "
-                                 f"gamma={self.gamma}.")
+                raise ArgumentError("trial count: truncated negative binomial needs 0 < gamma < 1 and eta >= 0 (eta "
+                                    f"in (-1, 0) is valid in the paper but not sampled here); got eta={self.eta}, "
+                                    f"gamma={self.gamma}.")
         elif self.kind == "poisson":
             if not self.mu > 0:
-                raise ValueError(f"trial count: poisson needs mu > 0, got {self.mu}.")
+                raise ArgumentError(f"trial count: poisson needs mu > 0, got {self.mu}.")
         else:
-            raise ValueError(f"trial count: unknown distribution {self.kind!r}; use 'truncated_negative_binomial' "
-                             "(TrialCount.geometric, .logarithmic, .negative_binomial) or 'poisson'.")
+            raise ArgumentError(f"trial count: unknown distribution {self.kind!r}; use 'truncated_negative_binomial' "
+                                "(TrialCount.geometric, .logarithmic, .negative_binomial) or 'poisson'.")
 
     @classmethod
     def geometric(cls, gamma: float) -> "TrialCount":
@@ -172,7 +174,7 @@ def selection_rdp(curve, count: TrialCount, orders=ORDERS, orders_hat=None) -> n
         hat = np.asarray(orders_hat, dtype=float)
         hat_curve = np.array([curve[np.argmin(np.abs(orders - h))] for h in hat])
         if not all(np.isclose(orders[np.argmin(np.abs(orders - h))], h) for h in hat):
-            raise ValueError("selection_rdp: orders_hat must be among the orders the curve is given at.")
+            raise ArgumentError("selection_rdp: orders_hat must be among the orders the curve is given at.")
     penalty = np.min((1 + eta) * (1 - 1 / hat) * hat_curve + (1 + eta) * math.log(1 / gamma) / hat)
     return curve + penalty + log_ek / (orders - 1)
 

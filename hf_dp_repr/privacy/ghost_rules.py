@@ -1,0 +1,238 @@
+"""The ghost-norm rules: for each kind of module that owns a trained tensor, whether the ghost-clipping engine
+(`ghost_clipping.py`) can clip it exactly and how its per-example gradient pieces are computed, in one entry.
+
+A rule has a matcher (a module type: its instances and the subclasses that keep its `forward`, since a subclass with
+its own forward, e.g. a scaled embedding, computes something else; or a predicate `module -> bool`, e.g. for HF's
+RMSNorm classes), `pieces(module, inputs, grad, trained)` and optionally `unsupported(module) -> reason | None` (a
+configuration of a matched module the rule cannot clip exactly) and `inputs(module, args, kwargs)` (what the
+forward hook keeps, when not the positional arguments). Rules are tried in registration order, first match wins;
+after them, Opacus' registered per-sample gradient rules (`GradSampleModule.GRAD_SAMPLERS`, exact type, including
+ours from `grad_samplers.py`). A module none matches is not supported: `clipping_engine="auto"` falls back to
+Opacus hooks with the reason, `"ghost"` refuses.
+
+`pieces` gets the module's inputs and the gradient of the loss with respect to its output, examples first, and
+returns, for the tensors in `trained`, items `(param, "factors", L, R)` (the per-example gradient is
+Σ_t L_it ⊗ R_it: L (B, T, p) or a `OneHot`, R (B, T, q); its norm is then computed without forming it) or
+`(param, "explicit", G)` (G (B, ...): the per-example gradient itself, for small tensors).
+
+Example (a rule for a new module type; its norms equal those of per-example gradients computed one by one):
+    >>> import torch
+    >>> from torch import nn
+    >>> from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine, unsupported_reason
+    >>> class Gain(nn.Module):  # y = x ⊙ s
+    ...     def __init__(self, d):
+    ...         super().__init__()
+    ...         self.s = nn.Parameter(torch.ones(d))
+    ...     def forward(self, x):
+    ...         return x * self.s
+    >>> model = nn.Sequential(nn.Linear(4, 4), Gain(4))
+    >>> unsupported_reason(model)
+    '1 (Gain) has trained parameters and no per-example rule'
+    >>> @register_ghost_rule(Gain)
+    ... def gain_pieces(module, inputs, grad, trained):  # ∂L/∂s of example i: Σ_t g_it ⊙ x_it
+    ...     return [(module.s, "explicit", (rows(grad) * rows(inputs[0])).sum(1))]
+    >>> unsupported_reason(model) is None
+    True
+    >>> engine, x = GhostClippingEngine(model), torch.randn(3, 5, 4)
+    >>> with engine.recording():
+    ...     model(x).pow(2).sum().backward()
+    >>> norms = engine.squared_norms()[model[1].s]
+    >>> brute = [torch.autograd.grad(model(x[i]).pow(2).sum(), model[1].s)[0].pow(2).sum() for i in range(3)]
+    >>> torch.allclose(norms, torch.stack(brute))
+    True
+    >>> engine.remove()
+    >>> _ = GHOST_RULES.pop()  # registrations last for the process: this example removes its own
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from opacus.grad_sample import GradSampleModule
+from torch import nn
+from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
+from transformers.pytorch_utils import Conv1D
+
+from ..errors import NotPrivatizableError
+from .grad_samplers import opt_position_ids
+
+
+def _supported(module: nn.Module) -> None:
+    return None
+
+
+def _positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    return args
+
+
+@dataclass(frozen=True)
+class GhostRule:
+    matches: Callable[[nn.Module], bool]
+    pieces: Callable[[nn.Module, tuple, torch.Tensor, set], list]
+    unsupported: Callable[[nn.Module], str | None] = _supported
+    inputs: Callable[[nn.Module, tuple, dict], tuple] = _positional
+
+
+GHOST_RULES: list[GhostRule] = []  # in the order they are tried
+
+
+def register_ghost_rule(match, *, unsupported=None, inputs=None):
+    """Decorator: register `pieces(module, inputs, grad, trained)` for the modules `match` matches (a type, or a
+    predicate on the module), after the rules registered before it."""
+    matches = _same_forward(match) if isinstance(match, type) else match
+
+    def register(pieces):
+        GHOST_RULES.append(GhostRule(matches, pieces, unsupported or _supported, inputs or _positional))
+        return pieces
+
+    return register
+
+
+def _same_forward(cls: type) -> Callable[[nn.Module], bool]:
+    return lambda module: isinstance(module, cls) and type(module).forward is cls.forward
+
+
+def rule_for(module: nn.Module) -> GhostRule | None:
+    """The first rule that matches `module`, else Opacus' registered rule for its exact type, else None."""
+    for rule in GHOST_RULES:
+        if rule.matches(module):
+            return rule
+    return OPACUS_RULE if type(module) in GradSampleModule.GRAD_SAMPLERS else None
+
+
+def unsupported(module: nn.Module) -> str | None:
+    """Why the engine cannot clip `module`'s trained tensors exactly (None when it can)."""
+    rule = rule_for(module)
+    return "has trained parameters and no per-example rule" if rule is None else rule.unsupported(module)
+
+
+def saved_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What the engine keeps of one call of `module` for its rule."""
+    rule = rule_for(module)
+    return args if rule is None else rule.inputs(module, args, kwargs)
+
+
+def pieces_of(module: nn.Module, inputs: tuple, grad: torch.Tensor, trained: set) -> list[tuple]:
+    """One use of a module as (param, "factors", L, R) or (param, "explicit", per-example gradient) items, for
+    the parameters in `trained` (while recording, they are all marked requires_grad=False)."""
+    rule = rule_for(module)
+    if rule is None:
+        raise NotPrivatizableError(f"GhostClippingEngine: {type(module).__name__} has trained parameters and no "
+                                   "per-example rule; register one (privacy.ghost_rules.register_ghost_rule) or use "
+                                   "clipping_engine='hooks'.")
+    return [item for item in rule.pieces(module, inputs, grad, trained) if item[0] in trained]
+
+
+# ---- what rules work with -----------------------------------------------------------------------------------
+def at_least_f32(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16 norms drift; float64 stays float64 for exact tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, ..., d) → (B, T, d) in at least float32, with T = 1 for a (B, d) tensor."""
+    t = at_least_f32(t)
+    return t.unsqueeze(1) if t.dim() == 2 else t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+class OneHot:
+    """L of an embedding use: one-hot rows given by token ids (B, T), never expanded."""
+
+    def __init__(self, ids: torch.Tensor, rows: int):
+        self.ids, self.rows = ids.reshape(ids.shape[0], -1), rows
+
+
+def patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """Conv2d inputs unfolded to (B, C·kh·kw, L). A patch embedding (stride = kernel, no padding) is a reshape,
+    where F.unfold (im2col) took a third of the norm time of a ViT on CPU."""
+    (kh, kw), (h, w) = conv.kernel_size, x.shape[-2:]
+    if (tuple(conv.stride) == (kh, kw) and tuple(conv.padding) == (0, 0) and tuple(conv.dilation) == (1, 1)
+            and h % kh == 0 and w % kw == 0):
+        b, c = x.shape[:2]
+        x = x.reshape(b, c, h // kh, kh, w // kw, kw).permute(0, 1, 3, 5, 2, 4)
+        return x.reshape(b, c * kh * kw, (h // kh) * (w // kw))
+    return F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+
+
+# ---- the built-in rules -------------------------------------------------------------------------------------
+@register_ghost_rule(nn.Linear)
+def linear_pieces(module, inputs, grad, trained):
+    """y = x Wᵀ + b: G = Σ_t g_t ⊗ a_t."""
+    a, g = rows(inputs[0]), rows(grad)
+    return [(module.weight, "factors", g, a)] + ([(module.bias, "explicit", g.sum(1))] if module.bias in trained
+                                                  else [])
+
+
+@register_ghost_rule(Conv1D)
+def conv1d_pieces(module, inputs, grad, trained):
+    """transformers' Conv1D, y = x W + b with W stored (in, out): G = Σ_t a_t ⊗ g_t."""
+    a, g = rows(inputs[0]), rows(grad)
+    return [(module.weight, "factors", a, g)] + ([(module.bias, "explicit", g.sum(1))] if module.bias in trained
+                                                  else [])
+
+
+def _embedding_unsupported(module) -> str | None:
+    return "uses max_norm or sparse gradients" if module.max_norm is not None or module.sparse else None
+
+
+def embedding_pieces(module, inputs, grad, trained):
+    """inputs[0]: the ids looked up; G = Σ_t onehot(id_t) ⊗ g_t."""
+    g, ids = rows(grad), inputs[0]
+    if module.padding_idx is not None:  # PyTorch gives the padding row no gradient
+        g = g * (ids.reshape(g.shape[0], -1, 1) != module.padding_idx)
+    return [(module.weight, "factors", OneHot(ids, module.num_embeddings), g)]
+
+
+register_ghost_rule(nn.Embedding, unsupported=_embedding_unsupported)(embedding_pieces)
+# OPT's learned positions: an embedding called with the attention mask; the position ids are a keyword
+register_ghost_rule(OPTLearnedPositionalEmbedding, unsupported=_embedding_unsupported,
+                    inputs=lambda module, args, kwargs: (opt_position_ids(module, args, kwargs),))(embedding_pieces)
+
+
+def _conv2d_unsupported(module) -> str | None:
+    if module.groups != 1 or isinstance(module.padding, str) or module.padding_mode != "zeros":
+        return "has groups, string padding or a non-zero padding mode"
+    return None
+
+
+@register_ghost_rule(nn.Conv2d, unsupported=_conv2d_unsupported)
+def conv2d_pieces(module, inputs, grad, trained):
+    """On unfolded patches: G = Σ_l g_l ⊗ patch_l."""
+    a = patches(module, at_least_f32(inputs[0]))
+    g = at_least_f32(grad).flatten(2)
+    return [(module.weight, "factors", g.transpose(1, 2), a.transpose(1, 2))] + (
+        [(module.bias, "explicit", g.sum(2))] if module.bias in trained else [])
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """HF's RMSNorm modules (Llama, Mistral, Qwen, T5's T5LayerNorm ...): y = weight · x / rms(x), one scale."""
+    return (type(module).__name__.endswith(("RMSNorm", "T5LayerNorm"))
+            and isinstance(getattr(module, "weight", None), nn.Parameter)
+            and hasattr(module, "variance_epsilon") and len(list(module.parameters(recurse=False))) == 1)
+
+
+@register_ghost_rule(is_rms_norm)
+def rms_norm_pieces(module, inputs, grad, trained):
+    x = at_least_f32(inputs[0])
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(inputs[0].dtype)
+    return [(module.weight, "explicit", (rows(grad) * rows(normed)).sum(1))]
+
+
+def opacus_pieces(module, inputs, grad, trained):
+    """Small tensors (LayerNorm, ViT's embeddings ...): Opacus' registered rule for the module's exact type."""
+    rule = GradSampleModule.GRAD_SAMPLERS[type(module)]
+    own = {p: p.requires_grad for p in module.parameters(recurse=False) if p in trained}
+    try:  # the rules skip tensors with requires_grad=False: mark this module's trained ones for the call
+        for p in own:
+            p.requires_grad_(True)
+        per_example = rule(module, list(inputs), grad)
+    finally:
+        for p, flag in own.items():
+            p.requires_grad_(flag)
+    return [(p, "explicit", at_least_f32(gs)) for p, gs in per_example.items()]
+
+
+OPACUS_RULE = GhostRule(lambda module: type(module) in GradSampleModule.GRAD_SAMPLERS, opacus_pieces)

@@ -1,0 +1,99 @@
+"""Every private member of `transformers.Trainer` (and of Opacus) that hf-dp-repr overrides or relies on, in one place.
+
+A private member may change in any release, without a deprecation. tests/test_hf_compat.py checks each entry here
+against the installed versions: the parameters, and that the Trainer still calls it (or still does what we rely
+on) where we rely on it; a failure names the installed version and `TESTED_TRANSFORMERS`, the range the suite
+ran on (setup.cfg pins it). The public overrides (`get_train_dataloader`, `create_optimizer`, `create_scheduler`,
+`training_step`, `train`, `log`, `call_model_init`, `get_eval_dataloader`, `prediction_step`, `save_model`,
+`save_metrics`, `init_hf_repo`, `push_to_hub`, `create_model_card`, `hyperparameter_search`) are documented API.
+
+Example:
+    >>> from hf_dp_repr.training.hf_compat import PRIVATE_OVERRIDES
+    >>> sorted(m.name for m in PRIVATE_OVERRIDES if m.owner == "DPTrainer")
+    ['_get_output_dir', '_load_best_model', '_load_from_checkpoint', '_push_from_checkpoint', '_save_checkpoint']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TESTED_TRANSFORMERS = "transformers>=5.24,<5.25"
+TESTED_OPACUS = "opacus>=1.6,<1.7"
+
+
+@dataclass(frozen=True)
+class PrivateMember:
+    """A private Trainer method: its parameters, the Trainer method whose source calls it (`caller`, with the
+    `call` text), and why we override or use it. `owner`: the class that overrides it (None: used only)."""
+
+    name: str
+    params: tuple[str, ...]
+    caller: str
+    call: str
+    why: str
+    owner: str | None = None
+
+
+PRIVATE_OVERRIDES = (
+    PrivateMember("_load_from_checkpoint", ("self", "resume_from_checkpoint", "model"), "train",
+                  "self._load_from_checkpoint(resume_from_checkpoint)",
+                  "restore a checkpoint's weights exactly or refuse (transformers warns on renamed keys); runs "
+                  "before the loop, after model_init; training.resume calls it for a finished run", "DPTrainer"),
+    PrivateMember("_load_best_model", ("self",), "_finalize_training", "self._load_best_model()",
+                  "the same exact load, before on_train_end (a callback must not see a lax load)", "DPTrainer"),
+    PrivateMember("_save_checkpoint", ("self", "model", "trial"), "_maybe_log_save_evaluate",
+                  "self._save_checkpoint(model, trial)",
+                  "a checkpoint whole or absent: staged, ledger last, flushed, renamed, then rotated (on_save "
+                  "fires after the Trainer rotated)", "DPTrainer"),
+    PrivateMember("_get_output_dir", ("self", "trial"), "_save_checkpoint", "self._get_output_dir(trial=trial)",
+                  "redirect the Trainer's checkpoint into the staging folder", "DPTrainer"),
+    PrivateMember("_push_from_checkpoint", ("self", "checkpoint_folder"), "_save_checkpoint",
+                  "self._push_from_checkpoint(output_dir)",
+                  "hub_strategy='every_save' pushes through the allow-list, never the Trainer's push", "DPTrainer"),
+    PrivateMember("_set_signature_columns_if_needed", ("self",), "_remove_unused_columns",
+                  "self._set_signature_columns_if_needed()",
+                  "audit.dirac: keep the canary column the model's forward does not take", "DiracCanaryTrainer"),
+    PrivateMember("_prepare_inputs", ("self", "inputs"), "prediction_step", "self._prepare_inputs(inputs)",
+                  "audit.dirac: the canary rows' inputs, in training (DPTrainer.training_step) and evaluation",
+                  "DiracCanaryTrainer"),
+)
+
+PRIVATE_USED = (
+    PrivateMember("_prepare_inputs", ("self", "inputs"), "training_step", "self._prepare_inputs(inputs)",
+                  "DPTrainer.training_step and the start-of-training probe move a batch as the Trainer does"),
+    PrivateMember("_remove_unused_columns", ("self", "dataset", "description"), "_get_dataloader",
+                  "self._remove_unused_columns(",
+                  "the training set (and cached evaluation features) without the columns forward does not take"),
+    PrivateMember("_get_collator_with_removed_columns", ("self", "data_collator", "description"), "_get_dataloader",
+                  "self._get_collator_with_removed_columns(", "the same for an iterable dataset"),
+    PrivateMember("_finish_current_push", ("self",), "push_to_hub", "self._finish_current_push()",
+                  "DPTrainer.push_to_hub waits for a running push as the Trainer's does"),
+    PrivateMember("_hp_search_setup", ("self", "trial"), "train", "self._hp_search_setup(trial)",
+                  "tuning.search sets each trial's arguments from hp_space (called here), before the training "
+                  "dataloader gives the trial's model its head_init and scope"),
+    PrivateMember("_get_num_items_in_batch", ("self", "batch_samples", "device"), "get_batch_samples",
+                  "self._get_num_items_in_batch(batch_samples, device)",
+                  "counts nothing when model_accepts_loss_kwargs is False and no compute_loss_func is set (DPTrainer "
+                  "sets the first and refuses the second): DP-SGD sums per-example losses itself"),
+)
+
+# Trainer attributes whose role we rely on: (name, why). Each is assigned in Trainer's source.
+ATTRIBUTES = (
+    ("model_accepts_loss_kwargs", "False: no item count, no num_items_in_batch passed to the model"),
+    ("hp_search_backend", "set during a search: a trial's head_init waits for its arguments"),
+    ("push_in_progress", "the running Hub push, waited for before copying files"),
+    ("current_gradient_accumulation_steps", "the training loss reported per micro-batch"),
+    ("_signature_columns", "audit.dirac appends the canary column"),
+)
+
+# The order of the Trainer's loop that DPTrainer relies on: in `method`'s source, each text appears after the one
+# before it.
+ORDER = (
+    ("train", ("self.call_model_init(trial)", "self._hp_search_setup(trial)", "self._load_from_checkpoint(",
+               "inner_training_loop(")),
+    ("_inner_training_loop", ("self.get_train_dataloader()", "self._prepare_for_training(")),
+    ("_prepare_for_training", ("self.create_optimizer()", "self.create_scheduler(")),
+)
+
+# Opacus' private helper the "ddp" reduction draws its noise with: (module, name, parameters).
+OPACUS_PRIVATE = (("opacus.optimizers.optimizer", "_generate_noise", ("std", "reference", "generator", "secure_mode")),)
