@@ -39,6 +39,24 @@ def test_replace_one_accounting_through_the_trainer(digits, tmp_path):
     assert compute_epsilon(led.history, 1e-4, "pld") < out.metrics["epsilon"]  # add/remove is smaller
 
 
+def test_a_second_train_on_a_trained_model_is_refused_unless_fresh_or_resumed(digits, tmp_path):
+    """A second train() without model_init or a checkpoint would start a new ledger on a model that carries the
+    first run: refused before anything changes; model_init (a fresh model each time) trains again."""
+    from hf_dp_repr.errors import UnsupportedError
+
+    data = digits["train"].select(range(64))
+    args = dp_args(tmp_path, per_device_train_batch_size=16, max_steps=2, noise_multiplier=1.0, target_epsilon=None)
+    trainer = DPTrainer(model=tiny_vit(num_labels=10), args=args, train_dataset=data)
+    first = trainer.train().metrics["epsilon"]
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(UnsupportedError, match="already trained by 2 DP steps.*model_init"):
+        trainer.train()
+    assert trainer.ledger.steps_done == 2 and trainer.epsilon() == first  # the first run's record stands
+    assert all(torch.equal(a, b) for a, b in zip(weights, trainer.model.parameters()))
+    fresh = DPTrainer(model_init=lambda: tiny_vit(num_labels=10), args=args, train_dataset=data)
+    assert fresh.train().metrics["epsilon"] == fresh.train().metrics["epsilon"] == first
+
+
 def test_empty_micro_batches_with_a_causal_lm(token_dataset, tmp_path):
     # per-device batch 1 × 8 micro-batches: many are empty; transformers' token count crashed on them.
     args = dp_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=8, max_steps=4,

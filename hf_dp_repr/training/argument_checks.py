@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from ..errors import DPConfigError, ProcessGroupError
+from ..errors import DPConfigError, ProcessGroupError, UnsupportedError
 
 logger = logging.getLogger(__name__)
 # How many processes a launcher started: torchrun and `accelerate launch` (WORLD_SIZE), MPI launchers (the variables
@@ -161,3 +161,18 @@ def check_one_run(world_size: int) -> None:
             "and save and push it, while the ledger states the ε of one run. Fix: on CPU set ACCELERATE_USE_CPU=true "
             "(or use_cpu=True) before the arguments are created, or use_configured_state=False in accelerator_config "
             "if an Accelerator was set up before; or start one process.")
+
+
+def check_fresh_model(trainer, resuming: bool) -> None:
+    """Refuse a train() on a model that an earlier DP run of this trainer already trained (a finished or failed
+    run, or a ledger set from one), unless it resumes from a checkpoint or `model_init` makes a fresh model: the new
+    run's ledger would start at ε = 0 while the model it releases carries both runs."""
+    ledger = trainer.ledger
+    if resuming or trainer.model_init is not None or ledger is None or ledger.steps_done == 0:
+        return
+    raise UnsupportedError(
+        f"DPTrainer: this trainer's model was already trained by {ledger.steps_done} DP steps (ε = "
+        f"{trainer.epsilon():.4g}); a second train() would start a new privacy ledger, and the model it releases "
+        "would carry both runs while the ledger states the ε of the second only. Fix: resume with "
+        "train(resume_from_checkpoint=...), pass model_init= to DPTrainer so that every train() starts from a "
+        "fresh model, or make a new DPTrainer with a fresh model.")

@@ -49,7 +49,7 @@ from ..scope.lora import has_peft_adapters
 from ..scope.phases import phase_scopes
 from ..scope.prefix_cache import STATES_KEY, run_from_states, set_frozen_prefix_modes
 from . import TRAINER_LOGGER
-from .argument_checks import check_one_run
+from .argument_checks import check_fresh_model, check_one_run
 from .argument_fields import check_refused_fields, train_dataloader_options
 from .arguments import DPTrainingArguments, check_hub_strategy
 from .continual import check_public_phase, finish_record, start_continual
@@ -325,6 +325,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         if self.train_dataset is not None and trial is None:  # (a trial's arguments are set by the Trainer later)
             self.privacy_plan()  # refused (e.g. a batch larger than the data) before anything is written
         path = checkpoint_to_resume(self.args.output_dir, resume_from_checkpoint) if resume_from_checkpoint else None
+        check_fresh_model(self, resuming=path is not None)
         if path is not None:
             self._resume_ledger = prepare_resume(self, path)  # plan/arguments checked, lost steps charged
             self.optimizer = None
