@@ -225,7 +225,106 @@ def check_one_example():
     return {"diff_norm_over_C": (diff.norm() / clip_norm).item()}
 
 
+# ---- 4. DPTrainer: fsdp=True, checkpoints, resume, LP→FT, LoRA, a model sharded at load ----------------------
+def check_trainer():
+    """The Trainer's switch end to end (tiny GPT-2, tied, AdamW, σ > 0 with noise_seed, accumulation 2, a checkpoint
+    each step), then a resume from checkpoint-1: the same weights and ε as straight through."""
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from sharded_runs import gpt2_run
+
+    out = os.path.join(OUT, "gpt2")
+    trainer, weights = gpt2_run(out, W)
+    model = trainer.model
+    result = {"wrapped": type(trainer.model_wrapped).__name__, "epsilon": trainer.epsilon(),
+              "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+              "tied": model.lm_head.weight is model.transformer.wte.weight,
+              "reduction": trainer.engine.options.reduction}
+    resumed, again = gpt2_run(os.path.join(OUT, "gpt2_resumed"), W, resume=os.path.join(out, "checkpoint-1"))
+    result["resume_max_diff"] = max((again[n] - weights[n]).abs().max().item() for n in weights)
+    result["resume_epsilon"] = resumed.epsilon()
+    if R == 0:
+        saved = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final"))
+        result["saved_max_diff"] = max((p - weights[n]).abs().max().item() for n, p in saved.named_parameters())
+        with open(os.path.join(out, "final", "config.json")) as f:
+            result["distributed_config_saved"] = "distributed_config" in json.load(f)
+        optimizer = torch.load(os.path.join(out, "checkpoint-2", "optimizer.pt"), weights_only=True)
+        shapes = {n: tuple(w.shape) for n, w in weights.items()}
+        result["optimizer_full"] = all(tuple(state["exp_avg"].shape) == shapes[n] for n, state in
+                                       optimizer["state"].items()) and len(optimizer["state"]) == len(shapes)
+        result["checkpoint_weights"] = len(load_file(os.path.join(out, "checkpoint-1", "model.safetensors")))
+        result["files"] = sorted(os.listdir(os.path.join(out, "checkpoint-1")))
+    return result
+
+
+def check_lp_ft():
+    from sharded_runs import EmptyCounter, vit_lp_then_ft
+
+    trainer, weights = vit_lp_then_ft(os.path.join(OUT, "vit"), W, sharded=True)
+    empty = torch.tensor([EmptyCounter.empty_micro_batches])
+    dist.all_reduce(empty)
+    if R == 0:
+        torch.save(weights, os.path.join(OUT, "vit_lp_ft.pt"))
+    return {"empty_micro_batches": int(empty), "phases": [p.name for p in trainer.engine.plan.phases],
+            "steps": trainer.ledger.steps_done}
+
+
+def check_lora():
+    """DPTrainer(peft_config=LoRA, fsdp=True): adapters sharded with the base, saved whole, resumed exactly."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.tiny import tiny_gpt2
+    from sharded_runs import _args, full_weights
+    from utils import make_token_dataset
+
+    config = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0, task_type="CAUSAL_LM")
+    finals = []
+    for name, resume in (("lora", None), ("lora_resumed", os.path.join(OUT, "lora", "checkpoint-1"))):
+        args = _args(os.path.join(OUT, name), W, True, noise_multiplier=0.7, max_steps=2, save_strategy="steps",
+                     save_steps=1, optim="adamw_torch")
+        trainer = DPTrainer(model=tiny_gpt2(seed=0), args=args, peft_config=config,
+                            train_dataset=make_token_dataset(n=48))
+        trainer.train(resume_from_checkpoint=resume)
+        finals.append({n: w for n, w in full_weights(trainer.model).items() if "lora" in n})
+        trainer.save_model()
+    result = {"resume_max_diff": max((finals[1][n] - finals[0][n]).abs().max().item() for n in finals[0]),
+              "trained": len(finals[0])}
+    if R == 0:
+        saved = load_file(os.path.join(OUT, "lora", "adapter_model.safetensors"))
+        result["adapter_shapes_full"] = sorted(tuple(v.shape) for v in saved.values()) == sorted(
+            tuple(v.shape) for v in finals[0].values())
+    return result
+
+
+def check_loaded_sharded():
+    """A model sharded at load time (from_pretrained(distributed_config=...)), no fsdp argument: trained as loaded."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_dp_repr import DPTrainer
+    from sharded_runs import _args
+    from utils import make_token_dataset
+
+    path = os.path.join(OUT, "llama_files")
+    if R == 0:
+        tiny_llama(seed=0).save_pretrained(path)
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=W))
+    args = _args(os.path.join(OUT, "llama"), W, False, noise_multiplier=0.7, max_steps=1)
+    trainer = DPTrainer(model=model, args=args, train_dataset=make_token_dataset(n=48))
+    trainer.train()
+    return {"all_dtensor": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
+            "reduction": trainer.engine.options.reduction, "steps": trainer.ledger.steps_done}
+
+
 def main():
+    RESULTS["trainer"] = check_trainer()
+    RESULTS["lp_ft"] = check_lp_ft()
+    RESULTS["lora"] = check_lora()
+    RESULTS["loaded_sharded"] = check_loaded_sharded()
     RESULTS["exact"] = {kind: check_exact(kind) for kind in ("gpt2", "llama", "vit", "gpt2_lora", "vit_lp")}
     RESULTS["modes"] = {mode: check_exact("gpt2", mode) for mode in ("per_layer", "automatic")}
     RESULTS["float64"] = {kind: check_exact_float64(kind) for kind in ("gpt2", "llama", "vit")}

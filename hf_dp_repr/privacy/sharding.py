@@ -20,7 +20,7 @@ Example (what is refused, and why):
     >>> try:
     ...     check_torch_supports_sharding("2.8.0")
     ... except ValueError as err:
-    ...     print(str(err)[:62])
+    ...     print(str(err)[:61])
     sharded DP-SGD (fsdp) needs torch >= 2.9; this is torch 2.8.0
 """
 
@@ -85,15 +85,15 @@ def _process_group() -> tuple[int, str]:
 
 def shard_model(model: nn.Module, block_classes=None, reshard_after_forward: bool = True) -> list[str]:
     """Shard `model` in place with FSDP2 over every process: each module whose class is named in `block_classes`
-    (default: the model's `_no_split_modules`, the base model's for PEFT) becomes a group, then the root (what is
-    left, tied weights included). Returns the paths of the groups."""
+    (None: the model's `_no_split_modules`, the base model's for PEFT; empty: none) becomes a group, then the root
+    (what is left, tied weights included). Returns the paths of the groups."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     check_torch_supports_sharding()
     world, device = _process_group()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(block_classes or getattr(base, "_no_split_modules", None) or ())
+    names = set(getattr(base, "_no_split_modules", None) or () if block_classes is None else block_classes)
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("fsdp",))
     groups = [(path, m) for path, m in model.named_modules() if path and type(m).__name__ in names]
     for path, module in reversed(groups):  # innermost first: a group takes the parameters no group below took
