@@ -13,8 +13,6 @@ import torch  # noqa: E402
 
 from utils import make_token_dataset  # noqa: E402  (helpers shared by test files: tests/utils.py)
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture(autouse=True)
 def _each_test_is_a_process_of_its_own():
@@ -26,12 +24,20 @@ def _each_test_is_a_process_of_its_own():
     forget()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """Tiny models gain nothing from intra-op threads, and 2 OpenMP threads on a busy 2-core machine ran up to 100×
-    slower (spinning barriers): modules of tiny-model tests use one (`pytestmark = pytest.mark.usefixtures(...)`)."""
-    before = torch.get_num_threads()
+    """Every test runs torch on one thread: the tests use tiny models, which gain nothing from intra-op threads, and 2
+    OpenMP threads on a busy 2-core machine ran up to 100× slower (spinning barriers). A test that needs more threads
+    asks for them (the `two_threads` fixture)."""
     torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture
+def two_threads():
+    """Opt out of `one_thread` for one test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
 
@@ -78,3 +84,14 @@ def digits():
 @pytest.fixture
 def token_dataset():
     return make_token_dataset()
+
+
+@pytest.fixture
+def no_pretraining(monkeypatch):
+    """The recipes' public pre-training fails the test: bad arguments must be refused before it starts."""
+    from hf_dp_repr.scripts import utils as ru
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("public pre-training started before the arguments were checked")
+
+    monkeypatch.setattr(ru, "pretrain_on_public", refuse)

@@ -1,5 +1,5 @@
 """One σ = 0 DP step with privacy_unit='user_id' (q = 1), in 1 or 2 processes; rank 0 saves the update.
-Run by tests/test_privacy_unit.py::test_two_processes_clip_each_unit_once (not collected by pytest)."""
+Run by tests/test_ddp.py::test_two_processes_clip_each_unit_once (not collected by pytest)."""
 
 import sys
 

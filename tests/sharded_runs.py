@@ -4,6 +4,7 @@ same runs in one process, sharded over a 1-rank group or not sharded), so that t
 import os
 
 import torch
+
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 
 FSDP = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}

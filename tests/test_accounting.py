@@ -1,9 +1,17 @@
 """Accounting of multi-phase runs: composition, calibration of the last phase, and no silent under-report."""
 
+import re
+
 import pytest
 
-from hf_dp_repr.privacy.accounting import calibrate_last_phase, calibrate_noise_multiplier, compute_epsilon
-from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.privacy.accounting import (
+    calibrate_last_phase,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    epsilon_floor,
+)
+from hf_dp_repr.tiny import tiny_vit
 
 
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
@@ -84,16 +92,18 @@ def test_replace_one_neighbours():
         compute_epsilon([(1.0, 0.1, 10)], 1e-5, "prv", "replace_one")
 
 
-def test_ledger_steps_through_its_phases_and_round_trips(tmp_path):
-    ledger = PrivacyLedger(PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0,
-                                       clipping="flat", dataset_size=100, poisson_sampling=True,
-                                       phases=[Phase("linear_probe", 2.0, 0.2, 2, 20),
-                                               Phase("fine_tune", 1.0, 0.1, 3, 10)]))
-    for _ in range(5):
-        ledger.record_step()
-    assert ledger.history == [(2.0, 0.2, 2), (1.0, 0.1, 3)]
-    by_phase = ledger.epsilon_by_phase()
-    assert by_phase["linear_probe"] == compute_epsilon([(2.0, 0.2, 2)], 1e-5, "rdp")
-    assert ledger.epsilon() == compute_epsilon(ledger.history, 1e-5, "rdp") < sum(by_phase.values())
-    ledger.save(tmp_path)
-    assert PrivacyLedger.load(tmp_path) == ledger
+def test_a_budget_below_the_accountants_floor_says_what_is_reachable(digits, tmp_path):
+    args = DPTrainingArguments(output_dir=str(tmp_path / "out"), target_epsilon=1e-3, target_delta=1e-4,
+                               per_device_train_batch_size=64, max_steps=50, report_to="none", disable_tqdm=True,
+                               accountant="prv")
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
+    with pytest.raises(ValueError, match=r"target_epsilon=0.001 .*'prv' accountant can certify") as e:
+        trainer.train()
+    message = str(e.value)
+    floor = epsilon_floor(1e-4, 64 / len(digits["train"]), 50, "prv")
+    assert f"ε = {floor:.4g}" in message and 1e-3 < floor
+    reachable, sigma = re.search(r"target_epsilon=([\d.e-]+) takes σ = ([\d.e+]+[\d])", message).groups()
+    spent = compute_epsilon([(float(sigma), 64 / len(digits["train"]), 50)], 1e-4, "prv")
+    assert floor < spent <= float(reachable) * 1.001  # the suggestion is real (σ printed to 4 digits)
+    assert "accountant='rdp' cannot certify it" in message
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]  # nothing written

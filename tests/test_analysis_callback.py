@@ -13,9 +13,6 @@ from hf_dp_repr.tiny import tiny_vit
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
 @pytest.fixture(scope="module")
 def digits_ds():
     return load_digits_dataset()

@@ -14,9 +14,6 @@ from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(prog="hf-dp-repr")
     add_analyze_parser(parser.add_subparsers(dest="command"))

@@ -14,8 +14,6 @@ from hf_dp_repr.analysis import (
 from hf_dp_repr.data import byte_tokenize, load_digits_dataset, load_stdlib_blocks, stdlib_text
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
 
 @pytest.fixture(scope="module")
 def digits_ds():

@@ -13,7 +13,6 @@ from hf_dp_repr.analysis.cli import add_analyze_parser, summary_table
 from hf_dp_repr.analysis.report import RepresentationReport
 from hf_dp_repr.tiny import tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 

@@ -15,8 +15,6 @@ from hf_dp_repr.analysis.model_kind import DECODER, ENCODER, text_model_kind
 from hf_dp_repr.data import MINILM
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
 
 def parse(argv):
     parser = argparse.ArgumentParser(prog="hf-dp-repr")

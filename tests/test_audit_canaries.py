@@ -24,9 +24,6 @@ SMALL_VIT = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
 N_TRAIN, M, K, EPOCHS = 300, 100, 20, 60
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
-
-
 def test_inclusion_draw_is_secret_by_default_and_ignores_global_seeds():
     import torch
 

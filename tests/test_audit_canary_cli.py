@@ -8,8 +8,6 @@ import pytest
 from hf_dp_repr.cli import main
 from hf_dp_repr.tiny import tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
-
 QUICK = ["--max_steps", "40", "--per_device_train_batch_size", "32", "--logging_strategy", "no", "--disable_tqdm",
          "true", "--target_delta", "1e-5"]
 

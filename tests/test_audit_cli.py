@@ -8,8 +8,6 @@ from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.cli import main
 from hf_dp_repr.tiny import tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
-
 
 @pytest.fixture(scope="module")
 def overfit_run(digits, tmp_path_factory):

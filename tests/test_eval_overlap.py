@@ -13,8 +13,6 @@ from hf_dp_repr.hub.card import write_model_card
 from hf_dp_repr.tiny import tiny_vit
 from hf_dp_repr.training.eval_overlap import shared_rows
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
-
 
 def _args(tmp_path, **kw):
     return DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=8.0, target_delta=1e-3, max_steps=1,

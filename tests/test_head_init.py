@@ -15,8 +15,6 @@ from hf_dp_repr.errors import DPConfigError
 from hf_dp_repr.scope.head_init import init_head, output_layer
 from hf_dp_repr.tiny import tiny_gpt2_config, tiny_vit, tiny_vit_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def dp_args(tmp_path, **kw):
     kw = {"target_epsilon": 4.0, "target_delta": 1e-4, "accountant": "rdp", "max_steps": 1,

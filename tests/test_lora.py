@@ -252,3 +252,10 @@ def test_lora_run_resumes_from_a_checkpoint_with_the_same_accounting(digits, tmp
     for n, p in full.model.named_parameters():
         if n in trained:  # same noise_seed: the same batches and noise, keyed by epoch and step, across the resume
             torch.testing.assert_close(trained[n], p, rtol=0, atol=1e-4)
+
+
+def test_lora_target_matching_nothing_with_modules_to_save_lists_the_candidates():
+    model = tiny_vit()
+    with pytest.raises(ValueError, match=r"DPTrainer: LoRA target modules \['query'\] match no layer") as e:
+        apply_peft_config(model, LoraConfig(target_modules=["query"], modules_to_save=["classifier"]))
+    assert "q_proj: 4 Linear" in str(e.value) and "fc1: 4 Linear" in str(e.value)

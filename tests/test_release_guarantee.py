@@ -15,8 +15,6 @@ from hf_dp_repr.hub import check_pushable, public_metrics
 from hf_dp_repr.hub.card import render_model_card
 from hf_dp_repr.tiny import tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def dp_accounting_epsilon(history, delta, relation):
     """ε from dp_accounting's privacy loss distributions at its default (finest) discretisation."""

@@ -137,9 +137,11 @@ def test_trainable_blocks_is_the_short_form_of_last_k_final_head(name, k, digits
     long, long_names = trained(make, data, tmp_path / "groups", trainable_groups=spec)
     assert short_names == long_names
     # the same frozen-prefix handling: eval mode and the same caches (the prefix's states, or the probe's inputs)
-    assert (short._prefix_states is None, short._cached_head) == (long._prefix_states is None, long._cached_head)
+    short_cache, long_cache = short.features, long.features
+    assert (short_cache.prefix_states is None, short_cache.cached_head) == \
+        (long_cache.prefix_states is None, long_cache.cached_head)
     if name == "vit":
-        assert (long._prefix_states is not None) if k else (long._cached_head == "classifier")
+        assert (long_cache.prefix_states is not None) if k else (long_cache.cached_head == "classifier")
     for (n, a), b in zip(short.model.named_parameters(), long.model.parameters()):
         assert torch.equal(a, b), n  # the same update, bit for bit (same seeds, same noise)
 

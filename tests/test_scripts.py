@@ -1,15 +1,25 @@
 """The recipes' shared code in the package (hf_dp_repr.scripts): one base of script arguments, the --config parser,
-the thin recipes/*.py files and `hf-dp-repr train`."""
+--help listing every DP option, the shipped configs, logging and result tables, the thin recipes/*.py files and
+`hf-dp-repr train`; the demo (its summary and the end-to-end run) and the seed 000 / 004 scripts."""
 
 import dataclasses
+import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import TrainingArguments
 
 from hf_dp_repr import DPTrainingArguments
-from hf_dp_repr.scripts import arguments, causal_lm, image_classification, text_classification, utils
+from hf_dp_repr.scripts import arguments, causal_lm, demo, image_classification, text_classification, utils
+from hf_dp_repr.scripts import causal_lm as lm_recipe
+from hf_dp_repr.scripts import image_classification as image_recipe
+from hf_dp_repr.scripts import text_classification as text_recipe
+from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.scripts.arguments import given_options, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_ARGUMENTS = [image_classification.ImageArguments, causal_lm.LMArguments, text_classification.TextArguments]
@@ -97,3 +107,232 @@ def test_recipe_file_runs_with_plain_python_help():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--block_size" in out.stdout and "--public_fraction" in out.stdout and "--target_epsilon" in out.stdout
+
+
+# ---- the recipes' options: --help, --config, the shipped configs ----------------------------------------------------
+DP_FIELDS = [f for f in dataclasses.fields(DPTrainingArguments)
+             if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}]
+
+
+RECIPES = [image_recipe, lm_recipe, text_recipe]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda m: m.__name__)
+def test_help_lists_every_dp_option_with_its_help(recipe, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        recipe.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert len(DP_FIELDS) >= 8
+    for field in DP_FIELDS:
+        help_text = field.metadata.get("help")
+        assert help_text, f"DPTrainingArguments.{field.name} has no help text"
+        assert f"--{field.name}" in text, field.name
+        first_words = " ".join(help_text.split()[:4]).replace("%", "%%").replace("%%", "%")
+        assert first_words in text, (field.name, first_words)
+    own = {f.name: f.metadata.get("help") for f in dataclasses.fields(recipe.ARGUMENT_TYPES[0])}
+    assert {"model_name_or_path", "dataset_name", "config"} <= set(own)
+    for name, help_text in own.items():
+        assert help_text and f"--{name}" in text, name
+
+
+def test_config_file_is_expanded_and_the_command_line_wins(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("target_epsilon: 2\ntarget_delta: 1.0e-5\nreport_to: [none]\npublic_fraction: 0.25\n"
+                   "analyze_representations: true\noutput_dir: from_yaml\n")
+    margs, targs = parse_args((image_recipe.ImageArguments, DPTrainingArguments),
+                                 ["--config", str(cfg), "--target_epsilon", "8"])
+    assert targs.target_epsilon == 8 and targs.target_delta == 1e-5 and targs.output_dir == "from_yaml"
+    assert margs.public_fraction == 0.25 and margs.analyze_representations is True and margs.config == str(cfg)
+    cfg.write_text("no_such_option: 1\ntarget_epsilon: 1\n")
+    with pytest.raises(ValueError, match="no_such_option"):
+        parse_args((image_recipe.ImageArguments, DPTrainingArguments), ["--config", str(cfg)])
+
+
+def test_every_shipped_config_parses():
+    import re
+
+    import yaml
+
+    for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
+        named = re.search(r"recipes/(dp_\w+)\.py", cfg.read_text())  # each config names its recipe; demo: image
+        by_file = {"dp_image_classification": image_recipe, "dp_causal_lm": lm_recipe,
+                   "dp_text_classification": text_recipe}
+        recipe = by_file[named.group(1)] if named else image_recipe
+        values = yaml.safe_load(cfg.read_text())
+        budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
+        parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])
+
+
+def test_accuracy_metric_works_without_the_hub(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    metric = ru.load_metric("accuracy")
+    assert metric.compute(predictions=[0, 1, 2, 2], references=[0, 1, 1, 2]) == {"accuracy": 0.75}
+
+
+def test_hub_token_argument_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="HF_TOKEN"):
+        image_recipe.main(["--output_dir", str(tmp_path), "--target_epsilon", "1", "--hub_token", "hf_x",
+                           "--max_steps", "1"])
+
+
+# ---- label sets are declared, not read off the private labels -------------------------------------------------------
+def test_class_names_come_from_the_declaration_and_labels_must_fit_it():
+    import datasets
+
+    from hf_dp_repr.scripts import checks
+
+    plain = datasets.Dataset.from_dict({"label": [0, 1, 1]})
+    with pytest.raises(ValueError, match="not a ClassLabel.*--num_labels"):
+        checks.class_names(plain, "label")
+    assert checks.class_names(plain, "label", num_labels=5) == (5, {i: str(i) for i in range(5)})  # not max + 1
+    assert checks.class_names(plain, "label", model_id2label={"0": "neg", "1": "pos"}) == (2, {0: "neg", 1: "pos"})
+    with pytest.raises(ValueError, match=r"label\(s\) \[7\].*outside the declared 2 classes"):
+        checks.class_names(plain, "label", num_labels=2, others=[datasets.Dataset.from_dict({"label": [7]})])
+    named = plain.cast_column("label", datasets.ClassLabel(names=["a", "b", "c"]))
+    assert checks.class_names(named, "label") == (3, {0: "a", 1: "b", 2: "c"})
+    with pytest.raises(ValueError, match="declares 3 classes"):
+        checks.class_names(named, "label", num_labels=4)
+
+
+# ---- what a run shows ----------------------------------------------------------------------------------------------
+def test_recipes_log_epsilon_about_twenty_times_unless_told(tmp_path):
+    from hf_dp_repr.scripts import report as recipe_report
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1, report_to="none")
+    recipe_report.default_logging(args, planned_steps=264, given=set())
+    assert args.logging_steps == 13
+    args.logging_steps = 7
+    recipe_report.default_logging(args, planned_steps=264, given={"logging_steps"})
+    assert args.logging_steps == 7
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("logging_strategy: epoch\n")
+    assert given_options(["--config", str(cfg), "--seed=3"]) == {"logging_strategy", "seed"}
+
+
+def test_only_the_main_process_logs():
+    """With several processes every line used to appear once per process: the others now log errors only."""
+    import logging
+    from types import SimpleNamespace
+
+    from transformers.utils import logging as hf_logging
+
+    root, ours = logging.getLogger(), logging.getLogger("hf_dp_repr")
+    saved = (root.level, ours.level, hf_logging.get_verbosity())
+    replica = SimpleNamespace(should_log=False, log_level_replica="warning")
+    try:
+        ru.setup_logging(replica)
+        assert replica.log_level_replica == "error"
+        trainer_logger = hf_logging.get_logger("hf_dp_repr.trainer")
+        assert not trainer_logger.isEnabledFor(logging.WARNING)  # the plan table is a warning
+        assert not logging.getLogger("hf_dp_repr.recipes").isEnabledFor(logging.WARNING)
+        assert hf_logging.get_verbosity() == logging.ERROR
+        ru.setup_logging(SimpleNamespace(should_log=True, log_level_replica="warning"))
+        assert trainer_logger.isEnabledFor(logging.WARNING) and logging.getLogger("hf_dp_repr.recipes").isEnabledFor(
+            logging.INFO)
+    finally:
+        logging.captureWarnings(False)
+        root.setLevel(saved[0])
+        ours.setLevel(saved[1])
+        hf_logging.set_verbosity(saved[2])
+
+
+def test_result_table_states_metrics_and_privacy():
+    from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
+    from hf_dp_repr.scripts import report as recipe_report
+
+    ledger = PrivacyLedger(PrivacyPlan(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=1006, poisson_sampling=True,
+                                       phases=[Phase("train", 1.5, 0.1, 30, 100)], target_epsilon=8.0, world_size=1))
+    table = recipe_report.result_table({"eval_accuracy": 0.8642, "epsilon": 7.99}, ledger, "test",
+                                       {"sample (greedy, DP model)": "'a | b'"})
+    assert "| test accuracy" in table and "86.4 %" in table and "7.9900 (target 8)" in table
+    assert "| δ" in table and "1e-05" in table and "0 of 30 (σ = 1.500, q = 0.1000" in table
+    assert "'a / b'" in table  # a sample cannot break the table
+    assert "NOT private" in recipe_report.result_table({"epsilon": float("inf")}, ledger, "test")
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
+    """`make demo`'s script: the public model, DP at ε = 1 and 8 and the non-private reference, in one table; the
+    ε = 1 run within 5 points of the reference; a line per stage while it runs."""
+    from hf_dp_repr.scripts import demo
+
+    summary = demo.main(["--output_dir", str(tmp_path)])
+    runs = summary["runs"]
+    assert set(runs) == {"public_only", "dp_eps1", "dp_eps8", "non_private"}
+    assert runs["dp_eps1"]["epsilon"] <= 1.0 and runs["dp_eps8"]["epsilon"] <= 8.0
+    assert summary["within_acceptance"]
+    printed = capsys.readouterr().out
+    assert "[1/4] dp_eps1: public pre-training" in printed and "[4/4] report" in printed
+    assert "| public_only | 0 (no private data) |" in printed and "| non_private | ∞ |" in printed
+    assert (tmp_path / "report" / "laws.png").exists()
+
+
+def test_public_pretraining_prints_progress_lines():
+    from types import SimpleNamespace
+
+    from hf_dp_repr.scripts import report as recipe_report
+
+    lines = []
+    cb = recipe_report.ProgressLines("public pre-training", epochs=40, log=lines.append)
+    args = SimpleNamespace(num_train_epochs=40)
+    for epoch in range(1, 41):
+        cb.on_log(args, None, None, logs={"loss": 1.0 / epoch})
+        cb.on_epoch_end(args, SimpleNamespace(epoch=float(epoch), is_world_process_zero=True), None)
+    assert len(lines) == 8 and lines[0].startswith("public pre-training: epoch 5/40, loss 0.200")
+    assert lines[-1].startswith("public pre-training: epoch 40/40")
+
+
+@pytest.mark.slow
+def test_seed004_comparison_recipe_runs_every_arm_at_the_same_epsilon(tmp_path, capsys):
+    from hf_dp_repr.scripts import seed004_continual
+
+    results = seed004_continual.main([
+        "--output_dir", str(tmp_path), "--target_epsilon", "8", "--target_delta", "1e-5", "--max_steps", "3",
+        "--public_max_steps", "4", "--public_check_steps", "2", "--per_device_train_batch_size", "16",
+        "--tokenizer_vocab_size", "300", "--max_eval_blocks", "32", "--report_to", "none", "--disable_tqdm", "true",
+        "--hessian_probes", "2", "--hessian_max_examples", "8"])
+    assert set(results) == {"dp_scratch", "public_only", "fixed", "decelerator"}
+    eps = {results[r]["epsilon"] for r in ("dp_scratch", "fixed", "decelerator")}
+    assert len(eps) == 1 and 0 < eps.pop() <= 8  # the same plan, only private steps accounted
+    assert results["fixed"]["switch_step"] == 4 and 1 <= results["decelerator"]["switch_step"] <= 4
+    assert (tmp_path / "tr_h.png").exists() and "| fixed |" in capsys.readouterr().out
+
+
+# ---- the demo's summary and the seed 000 sweep ----------------------------------------------------------------------
+def _refuse(constant):
+    raise ValueError(f"not valid JSON: {constant}")
+
+
+def test_summary_json_has_no_infinity_and_says_which_run_is_not_private():
+    rows = {name: dict(epsilon=eps, delta=1e-4, noise_multiplier=[sigma], accuracy=acc, rho_fuzziness=0.5,
+                       rho_residual=0.9, seconds=1.0, law_entry={}, first_law_entry={})
+            for name, eps, sigma, acc in [("public_only", 0.0, None, 0.6), ("dp_eps1", 0.99, 4.0, 0.8),
+                                          ("dp_eps8", 7.9, 1.0, 0.85), ("non_private", math.inf, 0.0, 0.9)]}
+    text = json.dumps(demo._summary(rows, gap=10.0, seconds=3.0), indent=2, default=str, allow_nan=False)
+    summary = json.loads(text, parse_constant=_refuse)
+    runs = summary["runs"]
+    assert runs["non_private"]["epsilon"] is None and runs["non_private"]["differentially_private"] is False
+    assert runs["dp_eps1"]["epsilon"] == 0.99 and runs["dp_eps1"]["differentially_private"] is True
+    assert "law_entry" not in runs["dp_eps8"] and summary["within_acceptance"] is False
+    assert "| non_private | ∞ |" in demo._table(rows)  # the printed table still says ∞
+    with pytest.raises(ValueError, match="Infinity"):
+        json.loads(json.dumps({"epsilon": math.inf}), parse_constant=_refuse)  # what main wrote
+
+
+@pytest.mark.slow
+def test_seed000_sweep_writes_its_report(tmp_path):
+    from hf_dp_repr.scripts.seed000 import run_seed000
+
+    space = lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-3, 1e-2, log=True),  # noqa: E731
+                       "num_train_epochs": t.suggest_categorical("num_train_epochs", [1])}
+    summary = run_seed000(str(tmp_path), epsilons=(1.0,), ks=(1, 4), n_trials=2, pretrain_epochs=3,
+                          constant_epochs=1, hp_space=space, progress=False)
+    assert [(r["k"], r["run"]) for r in summary["rows"]] == [(1, "tuned"), (1, "constant_lr"), (4, "tuned"),
+                                                             (4, "constant_lr")]
+    for r in summary["rows"]:
+        assert r["epsilon_spent"] == pytest.approx(1.0, rel=0.01)
+        assert len(r["fuzziness"].split(",")) == 5  # D_l at the embedding output and after each of the 4 blocks
+    for name in ("report.md", "results.csv", "summary.json", "accuracy_vs_k.png", "fuzziness_by_layer.png"):
+        assert os.path.exists(tmp_path / name)

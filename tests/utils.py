@@ -1,7 +1,9 @@
 """Helpers shared by the test files (`from utils import ...`; pytest puts tests/ on the import path): datasets of
-random tokens, one DP step of DPTrainer against a brute-force loop, a callback that stops. The Hub is a local server:
-tests/hub_server.py and the `hub` fixture (conftest.py)."""
+random tokens, one DP step of DPTrainer against a brute-force loop, a callback that stops, a free port, DP arguments
+with the common test defaults, the exact ε of full-batch steps, and datasets of users with their brute-force clipped
+sum. The Hub is a local server: tests/hub_server.py and the `hub` fixture (conftest.py)."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.tiny import tiny_vit
 
 
 # ---- datasets -----------------------------------------------------------------------------------------------
@@ -111,3 +114,53 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- arguments and exact ε ------------------------------------------------------------------------------------
+def dp_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "run"), target_epsilon=4.0, target_delta=1e-4, report_to="none",
+                save_strategy="no", disable_tqdm=True, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+                weight_decay=0.0)
+    return DPTrainingArguments(**{**base, **kw})
+
+
+def gaussian_epsilon(sigma, steps, delta):
+    """Exact ε of `steps` full-batch Gaussian steps (μ-GDP with μ = √steps/σ; Dong, Roth & Su)."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    mu = math.sqrt(steps) / sigma
+    return brentq(lambda e: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2) - delta, 0, 100)
+
+
+# ---- privacy units (test_units, test_ddp) -------------------------------------------------------------------
+# 6 users, 20 rows: "big" has 11 rows, more than a micro-batch of 10 (2 micro-batches), so it always spans
+# micro-batches; "solo" has 1 row, the others 2 each.
+USERS = ["big"] * 11 + ["solo"] + ["u1", "u1", "u2", "u2", "u3", "u3", "u4", "u4"]
+
+
+def user_dataset(digits, users=USERS):
+    rows = digits["train"].select(range(len(users))).with_format(None).to_dict()
+    rows["user_id"] = list(users)
+    return Dataset.from_dict(rows).with_format("torch", columns=["pixel_values", "labels"], output_all_columns=True)
+
+
+def norm_of_difference(a, b):
+    return torch.sqrt(sum(((a[n] - b[n]).double() ** 2).sum() for n in a)).item()
+
+
+def brute_force_unit_sum(dataset, clip):
+    """Σ over users of clip_C(gradient of the sum of the user's row losses), each user computed alone."""
+    model = tiny_vit(num_labels=10, seed=0)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    users = list(dataset["user_id"])
+    total = [torch.zeros_like(p) for p in params]
+    for user in dict.fromkeys(users):
+        rows = [i for i, u in enumerate(users) if u == user]
+        loss = sum(model(pixel_values=dataset[i]["pixel_values"][None], labels=dataset[i]["labels"][None]).loss
+                   for i in rows)
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+        total = [t + g * min(1.0, clip / (norm + 1e-6)) for t, g in zip(total, grads)]
+    return dict(zip(names, total))

@@ -101,17 +101,17 @@ def _entry(name: str, epsilon, neighboring, source: str) -> Accountant:
 def check_accountant(accountant: str, neighboring: str = "add_remove") -> None:
     """Raise `ValueError` naming the fix unless (accountant, neighbouring relation) is one this library reports."""
     if accountant in REFUSED:
-        raise ValueError(REFUSED[accountant])
+        raise DPConfigError(REFUSED[accountant])
     if accountant not in ACCOUNTANTS:
-        raise ValueError(f"unknown accountant {accountant!r}; use one of {tuple(ACCOUNTANTS)}.")
+        raise DPConfigError(f"unknown accountant {accountant!r}; use one of {tuple(ACCOUNTANTS)}.")
     if neighboring not in NEIGHBORING_RELATIONS:
-        raise ValueError(f"unknown neighbouring relation {neighboring!r}; use one of {NEIGHBORING_RELATIONS}.")
+        raise DPConfigError(f"unknown neighbouring relation {neighboring!r}; use one of {NEIGHBORING_RELATIONS}.")
     entry = ACCOUNTANTS[accountant]
     if neighboring not in entry.neighboring:
         able = " or ".join(f"{a.name!r} ({a.source})" for a in ACCOUNTANTS.values() if neighboring in a.neighboring)
-        raise ValueError(f"neighboring={neighboring!r} needs accountant={able}; the {accountant!r} accountant "
-                         f"({entry.source}) covers {' and '.join(_words(r) for r in entry.neighboring)} neighbours "
-                         "only.")
+        raise DPConfigError(f"neighboring={neighboring!r} needs accountant={able}; the {accountant!r} accountant "
+                            f"({entry.source}) covers {' and '.join(_words(r) for r in entry.neighboring)} neighbours "
+                            "only.")
 
 
 def accountants_for(neighboring: str) -> tuple[str, ...]:

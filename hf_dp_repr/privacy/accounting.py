@@ -30,7 +30,7 @@ import math
 from opacus.accountants.utils import MAX_SIGMA
 
 from .._moved import moved_attribute
-from ..errors import OutOfReachError
+from ..errors import ArgumentError, OutOfReachError
 from .accountants import (  # noqa: F401 (ACCOUNTANTS, NEIGHBORING_RELATIONS, GDP_REFUSED: importable from here)
     ACCOUNTANTS,
     GDP_REFUSED,
@@ -68,15 +68,15 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Smallest σ (to within 0.1 % of ε) such that `steps` steps at `sample_rate` spend at most `target_epsilon`."""
     if steps <= 0:
-        raise ValueError(f"calibrate_noise_multiplier: steps must be > 0, got {steps}.")
+        raise ArgumentError(f"calibrate_noise_multiplier: steps must be > 0, got {steps}.")
     if not 0 < sample_rate <= 1:
-        raise ValueError(f"calibrate_noise_multiplier: sample_rate must be in (0, 1], got {sample_rate}.")
+        raise ArgumentError(f"calibrate_noise_multiplier: sample_rate must be in (0, 1], got {sample_rate}.")
     try:
         return calibrate_last_phase(target_epsilon, target_delta, [], sample_rate, steps, accountant,
                                     neighboring=neighboring)
     except OutOfReachError:
-        raise ValueError(too_low_message(target_epsilon, target_delta, sample_rate, steps, accountant,
-                                         neighboring)) from None
+        raise OutOfReachError(too_low_message(target_epsilon, target_delta, sample_rate, steps, accountant,
+                                              neighboring)) from None
 
 
 def calibrate_last_phase(
@@ -96,8 +96,8 @@ def calibrate_last_phase(
 
     check_accountant(accountant, neighboring)
     if not same_sigma and compute_epsilon(fixed, target_delta, accountant, neighboring) >= target_epsilon:
-        raise ValueError("calibrate_last_phase: the earlier phases already spend the whole target ε; give them "
-                         "a smaller share of the budget.")
+        raise OutOfReachError("calibrate_last_phase: the earlier phases already spend the whole target ε; give "
+                              "them a smaller share of the budget.")
     low, high = 0.0, 1.0
     while (eps_high := eps(high)) > target_epsilon:
         low, high = high, 2 * high

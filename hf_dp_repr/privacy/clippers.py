@@ -26,7 +26,7 @@ from opacus.grad_sample import GradSampleHooks
 from torch import nn
 from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 
-from ..errors import DPConfigError
+from ..errors import ArgumentError, DPConfigError
 from .batch_rows import ExampleRows
 from .ghost_clipping import GhostClippingEngine, unsupported_reason
 from .grad_samplers import opt_positions_pre_hook
@@ -41,7 +41,7 @@ def register_clipper(name: str):
     """Class decorator: register a clipper under `name` (see the module docstring)."""
     def register(cls):
         if name in CLIPPERS:
-            raise ValueError(f"clipper {name!r} is already registered.")
+            raise ArgumentError(f"clipper {name!r} is already registered.")
         cls.name = name
         CLIPPERS[name] = cls
         return cls

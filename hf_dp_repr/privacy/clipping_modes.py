@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ArgumentError
+
 AUTOMATIC_CLIPPING_GAMMA = 0.01  # stability constant γ of Bu et al. (2023), "Automatic clipping"
 
 Factors = Callable[[torch.Tensor, float], torch.Tensor]  # (norms (B, T) float32, C) -> factors (B, T)
@@ -47,7 +49,7 @@ def register_clipping_mode(name: str, *, private: bool = True, help: str = "") -
     """Register `factors(norms, max_grad_norm) -> factors` as clipping mode `name` (see the module docstring)."""
     def register(factors: Factors) -> Factors:
         if name in CLIPPING_MODES:
-            raise ValueError(f"clipping mode {name!r} is already registered.")
+            raise ArgumentError(f"clipping mode {name!r} is already registered.")
         CLIPPING_MODES[name] = ClippingMode(name, factors, private, help)
         return factors
     return register
@@ -55,7 +57,7 @@ def register_clipping_mode(name: str, *, private: bool = True, help: str = "") -
 
 def clipping_mode(name: str) -> ClippingMode:
     if name not in CLIPPING_MODES:
-        raise ValueError(f"unknown clipping {name!r}; use one of {tuple(CLIPPING_MODES)}.")
+        raise ArgumentError(f"unknown clipping {name!r}; use one of {tuple(CLIPPING_MODES)}.")
     return CLIPPING_MODES[name]
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import ArgumentError, LedgerError
 from .attributes import clear_dp_attributes
 from .clippers import CLIPPERS, choose_clipper
 from .ledger import PrivacyLedger, PrivacyPlan
@@ -71,8 +72,8 @@ class EngineOptions:
 
     def __post_init__(self):
         if self.clipping_engine != "auto" and self.clipping_engine not in CLIPPERS:
-            raise ValueError(f"unknown clipping_engine {self.clipping_engine!r}; use one of "
-                             f"{('auto', *CLIPPERS)}.")
+            raise ArgumentError(f"unknown clipping_engine {self.clipping_engine!r}; use one of "
+                                f"{('auto', *CLIPPERS)}.")
         reduction(self.reduction)  # registered, or a ValueError listing them
 
 
@@ -84,7 +85,8 @@ class DPEngine:
                  randomness: DPRandomness | None = None, ledger: PrivacyLedger | None = None,
                  log: logging.Logger | None = None):
         if randomness is not None and randomness.kind != plan.randomness:
-            raise ValueError(f"DPEngine: the plan's randomness is {plan.randomness!r}, the run's {randomness.kind!r}.")
+            raise ArgumentError(f"DPEngine: the plan's randomness is {plan.randomness!r}, the run's "
+                                f"{randomness.kind!r}.")
         self.plan, self.options, self.randomness = plan, options or EngineOptions(), randomness
         self.log = log or logging.getLogger(__name__)
         self.ledger = ledger
@@ -103,7 +105,7 @@ class DPEngine:
         index) with a privacy unit. Poisson (from the plan's sample rate of each step), else shuffled."""
         plan, opt = self.plan, self.options
         if (row_units is None) != (plan.privacy_unit == ROW):
-            raise ValueError(f"DPEngine: privacy_unit={plan.privacy_unit!r} needs each row's unit, and only then.")
+            raise ArgumentError(f"DPEngine: privacy_unit={plan.privacy_unit!r} needs each row's unit, and only then.")
         n, batch = plan.dataset_size, plan.phases[-1].expected_batch_size
         common = dict(steps_per_epoch=max(1, n // batch), micro_batches_per_step=opt.micro_batches_per_step,
                       world_size=plan.world_size, rank=opt.rank, seed=self.randomness.sampling_seed())
@@ -168,9 +170,9 @@ class DPEngine:
         if ledger is not None:
             changed = [k for k in _MECHANICS if getattr(ledger.plan, k) != getattr(self.plan, k)]
             if changed:
-                raise ValueError(f"DPEngine: the checkpoint's ledger is for another plan ({', '.join(changed)}).")
+                raise LedgerError(f"DPEngine: the checkpoint's ledger is for another plan ({', '.join(changed)}).")
         if is_sharded(model) != (self.options.reduction == "fsdp2"):
-            raise ValueError(f"DPEngine: reduction={self.options.reduction!r} for a model that is "
+            raise ArgumentError(f"DPEngine: reduction={self.options.reduction!r} for a model that is "
                              f"{'' if is_sharded(model) else 'not '}sharded; sharded models take 'fsdp2'.")
         self.ledger = PrivacyLedger(self.plan) if ledger is None else ledger
         self.attach(model, several)

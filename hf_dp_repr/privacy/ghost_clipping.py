@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ArgumentTypeError, UnsupportedError
 from . import ghost_rules
 from .ghost_rules import OneHot, at_least_f32, pieces_of, saved_inputs
 
@@ -178,8 +179,8 @@ class GhostClippingEngine:
         if not self._recording or not torch.is_grad_enabled():
             return None
         if not isinstance(output, torch.Tensor):
-            raise TypeError(f"GhostClippingEngine: {type(module).__name__} returns {type(output).__name__}, "
-                            "not a tensor; use clipping_engine='hooks'.")
+            raise ArgumentTypeError(f"GhostClippingEngine: {type(module).__name__} returns {type(output).__name__}, "
+                                    "not a tensor; use clipping_engine='hooks'.")
         if not output.requires_grad:  # nothing trained below: the gradient starts here
             output = output.detach().requires_grad_(True)
         args = saved_inputs(module, args, kwargs)  # what the module's rule keeps (OPT's positions: their ids)
@@ -194,8 +195,8 @@ class GhostClippingEngine:
         """One use's pieces, from its inputs and output gradient (in the backward pass)."""
         if versions != [x._version for x in inputs if isinstance(x, torch.Tensor)]:
             # autograd would refuse too: the norms would be computed on the wrong activations
-            raise RuntimeError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
-                               "after its forward; use clipping_engine='hooks'.")
+            raise UnsupportedError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
+                                   "after its forward; use clipping_engine='hooks'.")
         trained, key = self._trained, None
         if self.key_of is not None:  # the live (gathered) parameters → their keys
             key = {p: self.key_of[(module, name)] for name, p in module.named_parameters(recurse=False)}
@@ -210,8 +211,8 @@ class GhostClippingEngine:
         if module not in self.several:
             return t
         if self._batch_size is None:
-            raise RuntimeError("GhostClippingEngine: modules with several rows per example need "
-                               "recording(batch_size=...).")
+            raise UnsupportedError("GhostClippingEngine: modules with several rows per example need "
+                                   "recording(batch_size=...).")
         return t.reshape(self._batch_size, -1, *t.shape[1:])
 
     def has_gradients(self) -> bool:

@@ -59,12 +59,12 @@ def vit_embeddings_grad_sample(layer: ViTEmbeddings, activations: list[torch.Ten
     """ViT's bare `cls_token` and `position_embeddings` are added to the output, so their per-sample
     gradients are slices of `backprops`. The patch projection (a Conv2d child) has its own Opacus rule."""
     if layer.training and layer.dropout.p > 0:
-        raise ValueError(
+        raise NotPrivatizableError(
             "ViTEmbeddings: per-sample gradients of cls_token/position_embeddings are only exact without "
             "embedding dropout; set config.hidden_dropout_prob=0 (the usual DP setting)."
         )
     if backprops.shape[1] != layer.position_embeddings.shape[1]:
-        raise ValueError(
+        raise NotPrivatizableError(
             "ViTEmbeddings: interpolate_pos_encoding is not supported under DP; feed images of the "
             f"model's size {tuple(layer.image_size)}."
         )

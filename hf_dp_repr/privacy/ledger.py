@@ -28,7 +28,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from .._moved import REMOVED_IN
-from ..errors import PrivacyBudgetExhaustedError
+from ..errors import LedgerError, PrivacyBudgetExhaustedError
 from .accounting import History, compute_epsilon, merge_history
 
 LEDGER_FILE = "privacy_ledger.json"
@@ -145,12 +145,12 @@ class PrivacyLedger:
 
     def __post_init__(self):
         if not 0 <= self.steps_done <= self.plan.planned_steps:
-            raise ValueError(f"PrivacyLedger: steps_done={self.steps_done} is outside the plan's "
-                             f"0..{self.plan.planned_steps} steps.")
+            raise LedgerError(f"PrivacyLedger: steps_done={self.steps_done} is outside the plan's "
+                              f"0..{self.plan.planned_steps} steps.")
         self.recomputed_steps = tuple((int(a), int(b)) for a, b in self.recomputed_steps)
         if not all(1 <= a <= b <= self.plan.planned_steps for a, b in self.recomputed_steps):
-            raise ValueError(f"PrivacyLedger: recomputed_steps={self.recomputed_steps} are not ranges of the plan's "
-                             f"1..{self.plan.planned_steps} steps.")
+            raise LedgerError(f"PrivacyLedger: recomputed_steps={self.recomputed_steps} are not ranges of the plan's "
+                              f"1..{self.plan.planned_steps} steps.")
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "plan":  # not set yet (copy, unpickling): no recursion
@@ -256,11 +256,11 @@ class PrivacyLedger:
             steps = int(d["steps_done"]) if recomputed else sum(t for _, _, t in history)
             ledger = cls(plan, steps, recomputed)
             if ledger.history != history:
-                raise ValueError(f"its history {history} is not the plan's first {ledger.steps_done} steps "
-                                 f"{ledger.history}")
+                raise LedgerError(f"its history {history} is not the plan's first {ledger.steps_done} steps "
+                                  f"{ledger.history}")
             return ledger
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(
+            raise LedgerError(
                 f"PrivacyLedger: {path} is corrupted ({type(e).__name__}: {e}); the privacy spent up to that "
                 "checkpoint cannot be read, so it cannot be resumed or reported. Resume from an earlier checkpoint "
                 "whose ledger is intact (resume_from_checkpoint='<output_dir>/checkpoint-N'), or start a new run; "

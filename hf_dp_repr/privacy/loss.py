@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from ..errors import DPConfigError
+
 
 def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, shift_labels: bool = False,
                      label_smoothing: float = 0.0) -> torch.Tensor:
@@ -32,8 +34,8 @@ def per_example_loss(logits: torch.Tensor, labels: torch.Tensor, shift_labels: b
         return token_loss.flatten(1).sum(1) / n_tokens
     if labels.is_floating_point():
         if label_smoothing:
-            raise ValueError(f"DPTrainer: label_smoothing_factor={label_smoothing} applies to class labels; these "
-                             "labels are floats (regression or multi-label). Set label_smoothing_factor=0.")
+            raise DPConfigError(f"DPTrainer: label_smoothing_factor={label_smoothing} applies to class labels; these "
+                                "labels are floats (regression or multi-label). Set label_smoothing_factor=0.")
         if logits.shape[-1] == 1 and labels.dim() == 1:
             return (logits.squeeze(-1).float() - labels.float()) ** 2
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").flatten(1).mean(1)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from opacus.optimizers import DPOptimizer
 
+from ..errors import UnsupportedError
 from .clipping_modes import clip_factors, clipping_mode
 from .reduction import NoisySum, Reduction, replicated
 from .units import sum_per_unit
@@ -60,11 +61,12 @@ class MicroBatchDPOptimizer(DPOptimizer):
         micro-batch was empty): its clip factors are 0, it adds nothing."""
         if self.ghost is not None:
             if unit_ids is not None:  # the trainer falls back to hooks for units; never clip rows as units here
-                raise RuntimeError("MicroBatchDPOptimizer: the ghost clipping engine clips rows; privacy units need "
-                                   "the hooks engine (clipping_engine='hooks').")
+                raise UnsupportedError("MicroBatchDPOptimizer: the ghost clipping engine clips rows; privacy units "
+                                       "need the hooks engine (clipping_engine='hooks').")
             return self._accumulate_from_ghost(stand_in)
         if stand_in:
-            raise RuntimeError("MicroBatchDPOptimizer: stand-in rows (sharded runs) need the ghost clipping engine.")
+            raise UnsupportedError("MicroBatchDPOptimizer: stand-in rows (sharded runs) need the ghost clipping "
+                                   "engine.")
         missing = [p for p in self.params if getattr(p, "grad_sample", None) is None]
         if len(missing) == len(self.params):
             return
@@ -144,8 +146,8 @@ class MicroBatchDPOptimizer(DPOptimizer):
     def _check_not_closed(self, unit: int) -> None:
         if unit in self._closed_units:
             # Clipping a unit twice would let it contribute 2C: a broken guarantee, never a silent one.
-            raise RuntimeError(f"DP-SGD: unit {unit} appears again after it was clipped in this logical step; the "
-                               "rows of a unit must be contiguous across micro-batches (UnitPoissonBatchSampler).")
+            raise UnsupportedError(f"DP-SGD: unit {unit} appears again after it was clipped in this logical step; the "
+                                   "rows of a unit must be contiguous across micro-batches (UnitPoissonBatchSampler).")
 
     def _close_units(self, ids: list[int], sums: list[torch.Tensor]) -> None:
         for unit in ids:

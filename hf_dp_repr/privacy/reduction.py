@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 
+from ..errors import ArgumentError
+
 
 @dataclass(frozen=True)
 class NoisySum:
@@ -74,7 +76,7 @@ def register_reduction(name: str, fold: Fold = keep_whole) -> Callable[[Reductio
     module docstring). The step function gets it as its `fold` attribute."""
     def register(strategy: Reduction) -> Reduction:
         if name in REDUCTIONS:
-            raise ValueError(f"reduction {name!r} is already registered.")
+            raise ArgumentError(f"reduction {name!r} is already registered.")
         strategy.fold = fold
         REDUCTIONS[name] = strategy
         return strategy
@@ -83,7 +85,7 @@ def register_reduction(name: str, fold: Fold = keep_whole) -> Callable[[Reductio
 
 def reduction(name: str) -> Reduction:
     if name not in REDUCTIONS:
-        raise ValueError(f"unknown reduction {name!r}; use one of {tuple(REDUCTIONS)}.")
+        raise ArgumentError(f"unknown reduction {name!r}; use one of {tuple(REDUCTIONS)}.")
     return REDUCTIONS[name]
 
 

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Sampler
 from transformers import TrainerCallback
 
+from ..errors import UnsupportedError
 from .validation import check_one_row_per_example
 
 UNIT_KEY = "dp_unit_index"  # the per-row unit index a batch carries to the optimizer (privacy.units)
@@ -76,7 +77,7 @@ class PoissonBatchSampler(_LogicalBatchSampler):
                  secure: bool = False, **kw):
         super().__init__(num_samples, steps_per_epoch, **kw)
         if secure and self.world_size > 1:
-            raise NotImplementedError(
+            raise UnsupportedError(
                 "secure_mode with several processes: OS-entropy batches cannot be shared between ranks without "
                 "communication. Run secure_mode in a single process."
             )

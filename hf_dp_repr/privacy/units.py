@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..errors import DataError, MissingColumnError, UnsupportedError
 from .sampler import UNIT_KEY, _LogicalBatchSampler
 
 ROW = "row"
@@ -51,9 +52,9 @@ def unit_rows(values: Sequence) -> tuple[np.ndarray, int]:
     would silently make one unit of all unlabelled rows or drop them from the guarantee."""
     missing = [i for i, v in enumerate(values) if v is None or (isinstance(v, float) and math.isnan(v))]
     if missing:
-        raise ValueError(f"DPTrainer: the privacy_unit column has {len(missing)} missing value(s) (rows "
-                         f"{missing[:5]}{' ...' if len(missing) > 5 else ''}). Every row must name its unit: fill them "
-                         "(e.g. a unique id per unlabelled row, if each is its own unit) or drop those rows.")
+        raise DataError(f"DPTrainer: the privacy_unit column has {len(missing)} missing value(s) (rows "
+                        f"{missing[:5]}{' ...' if len(missing) > 5 else ''}). Every row must name its unit: fill them "
+                        "(e.g. a unique id per unlabelled row, if each is its own unit) or drop those rows.")
     index: dict = {}
     ids = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values))
     return ids, len(index)
@@ -64,16 +65,16 @@ def column_values(dataset, column: str) -> list:
     names = getattr(dataset, "column_names", None)
     if names is not None:
         if column not in names:
-            raise ValueError(f"DPTrainer: privacy_unit={column!r} but the training set has no such column (columns: "
-                             f"{names}). Add the column, or use privacy_unit='row'.")
+            raise MissingColumnError(f"DPTrainer: privacy_unit={column!r} but the training set has no such column "
+                                     f"(columns: {names}). Add the column, or use privacy_unit='row'.")
         plain = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset
         return list(plain[column])  # Python values: a torch format would give 0-d tensors, each its own "unit"
     values = []
     for i in range(len(dataset)):
         row = dataset[i]
         if not isinstance(row, dict) or column not in row:
-            raise ValueError(f"DPTrainer: privacy_unit={column!r} but row {i} of the training set has no such key. "
-                             "Every row must carry its unit, or use privacy_unit='row'.")
+            raise MissingColumnError(f"DPTrainer: privacy_unit={column!r} but row {i} of the training set has no such "
+                                     "key. Every row must carry its unit, or use privacy_unit='row'.")
         value = row[column]
         values.append(value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value)
     return values
@@ -103,7 +104,7 @@ class UnitPoissonBatchSampler(_LogicalBatchSampler):
                  max_rows_per_unit: int | None = None, secure: bool = False, **kw):
         super().__init__(num_units, steps_per_epoch, **kw)
         if secure and self.world_size > 1:
-            raise NotImplementedError("secure_mode with several processes: run secure_mode in a single process.")
+            raise UnsupportedError("secure_mode with several processes: run secure_mode in a single process.")
         order = np.argsort(row_unit, kind="stable")
         starts = np.searchsorted(row_unit[order], np.arange(num_units + 1))
         self.rows_of = [order[starts[u]:starts[u + 1]] for u in range(num_units)]

@@ -13,6 +13,7 @@ from transformers.models.vit.modeling_vit import ViTEmbeddings
 
 from .. import errors
 from .._moved import moved_attribute
+from ..errors import DataError
 from .sharding import base_type
 
 
@@ -52,12 +53,12 @@ def check_train_dataset(dataset, target_delta: float, count_units: Callable[[], 
     """A training set DP-SGD can sample and account for: map-style, non-empty; warns when δ ≥ 1/n (n: rows, or
     the number of units of privacy that `count_units()` reads from the map-style dataset)."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError(
+        raise DataError(
             "DPTrainer: train_dataset must have a length (a map-style dataset): Poisson sampling and the privacy "
             "accounting need n. Materialise the IterableDataset first (e.g. `Dataset.from_generator`)."
         )
     if len(dataset) == 0:
-        raise ValueError("DPTrainer: train_dataset is empty.")
+        raise DataError("DPTrainer: train_dataset is empty.")
     num_units = count_units() if count_units is not None else None
     n = len(dataset) if num_units is None else num_units
     if target_delta >= 1 / n:
@@ -80,8 +81,8 @@ def check_one_row_per_example(batch: dict, n_examples: int) -> None:
     for key, value in batch.items():
         shape = getattr(value, "shape", None)
         if shape is not None and (len(shape) == 0 or shape[0] != n_examples):
-            raise ValueError(f"DPTrainer: the collated batch's `{key}` has shape {tuple(shape)} for {n_examples} "
-                             f"examples; its first dimension must be the number of examples. {fix}")
+            raise DataError(f"DPTrainer: the collated batch's `{key}` has shape {tuple(shape)} for {n_examples} "
+                            f"examples; its first dimension must be the number of examples. {fix}")
     positions = batch.get("position_ids")
     if positions is not None and getattr(positions, "ndim", 0) == 2 and positions.shape[1] > 1:
         restarts = positions[:, 1:] < positions[:, :-1]
@@ -89,8 +90,8 @@ def check_one_row_per_example(batch: dict, n_examples: int) -> None:
         if mask is not None and getattr(mask, "shape", None) == positions.shape:
             restarts = restarts & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)  # left padding is not a restart
         if restarts.any():
-            raise ValueError(f"DPTrainer: `position_ids` restart inside a row: several examples are packed into one "
-                             f"row. {fix}")
+            raise DataError(f"DPTrainer: `position_ids` restart inside a row: several examples are packed into one "
+                            f"row. {fix}")
 
 
 def __getattr__(name: str):

@@ -4,7 +4,7 @@ refused with the reason. DP-SGD replaces the Trainer's training batches (Poisson
 silence (e.g. `train_sampling_strategy="group_by_length"`, `dataloader_drop_last=True`).
 
 `check_refused_fields(args)` raises `DPConfigError` for the first refused value, naming the argument, why and the
-fix; `DPTrainingArguments.__post_init__` and `DPTrainer.__init__` call it. `tests/test_trainer_fields.py` checks that
+fix; `DPTrainingArguments.__post_init__` and `DPTrainer.__init__` call it. `tests/test_arguments.py` checks that
 every field of the installed transformers has an entry, so a new Trainer option needs a decision here.
 
 Example:

@@ -174,8 +174,8 @@ def probe_then_schedule(base, lp_steps: int, args: DPTrainingArguments, optimize
     """The learning-rate schedule of a run with a linear-probing phase: a constant `lp_learning_rate` for its
     `lp_steps`, then `base` (the configured schedule, made for the fine-tuning steps alone) shifted past them."""
     if not isinstance(base, torch.optim.lr_scheduler.LambdaLR):
-        raise ValueError(f"DPTrainer: lr_scheduler_type={args.lr_scheduler_type!r} cannot be shifted past "
-                         "the linear-probing phase; use a step-based schedule (linear, cosine, constant, ...).")
+        raise DPConfigError(f"DPTrainer: lr_scheduler_type={args.lr_scheduler_type!r} cannot be shifted past "
+                            "the linear-probing phase; use a step-based schedule (linear, cosine, constant, ...).")
     lp_factor = (args.lp_learning_rate or args.learning_rate) / args.learning_rate
     lambdas = [lambda step, f=f: lp_factor if step < lp_steps else f(step - lp_steps) for f in base.lr_lambdas]
     for group in optimizer.param_groups:

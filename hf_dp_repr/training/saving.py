@@ -17,6 +17,7 @@ import shutil
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 from transformers.utils import PushInProgress, logging
 
+from ..errors import ArgumentTypeError
 from .arguments import check_hub_strategy
 from .checkpoint import load_checkpoint_weights
 from .output_dir import ARGS_FILE, STAGING_DIR, check_writable, fsync_folder
@@ -208,7 +209,7 @@ class DPSavingMixin:
         from ..hub.card import ModelCardInfo, write_model_card
 
         if args:
-            raise TypeError("DPTrainer.create_model_card: pass its arguments by name (license=..., tags=...).")
+            raise ArgumentTypeError("DPTrainer.create_model_card: pass its arguments by name (license=..., tags=...).")
         if kwargs:
             self.model_card_info = ModelCardInfo.from_value(self.model_card_info).with_trainer_card_args(**kwargs)
         if self.is_world_process_zero():

@@ -154,7 +154,8 @@ def check_dp_arguments_for_sharding(args) -> None:
          "privacy_unit='row', or without fsdp"),
         (bool(args.cache_features), "cache_features=True: cached features are computed by submodules called "
          "outside the sharded root's forward. Leave cache_features=None"),
-        (bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing), "gradient_checkpointing: the ghost engine (the one clipper that runs "
+        (bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing),
+         "gradient_checkpointing: the ghost engine (the one clipper that runs "
          "sharded) needs each module's forward inputs, which checkpointing recomputes. Turn it off"),
     ]
     for bad, why in refused:

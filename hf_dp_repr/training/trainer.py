@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.utils import ModelOutput, logging
 
+from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, MissingColumnError, UnsupportedError
 from ..hub.card import ModelCardInfo
 from ..privacy.engine import DPEngine
 from ..privacy.grad_samplers import batch_position_ids
@@ -79,9 +80,9 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
                  model_card_info: ModelCardInfo | dict | None = None, public_train_dataset=None,
                  public_eval_dataset=None, **kwargs):
         if not isinstance(args, DPTrainingArguments):
-            raise TypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
+            raise ArgumentTypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError(
+            raise DPConfigError(
                 "DPTrainer: compute_loss_func returns a batch loss; DP-SGD needs one loss per example. "
                 "Subclass DPTrainer and override `per_example_loss(outputs, labels)` instead."
             )
@@ -97,7 +98,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
             check_train_dataset(train_dataset, args.target_delta, lambda: self._read_units(train_dataset, args))
         if peft_config is not None:
             if model is None:
-                raise ValueError("DPTrainer: peft_config needs a model to wrap.")
+                raise ArgumentError("DPTrainer: peft_config needs a model to wrap.")
             from ..scope.lora import apply_peft_config
 
             model = apply_peft_config(model, peft_config)
@@ -171,7 +172,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         trial's arguments now set) gets its head_init and scope; the features are cached; the engine is made
         from the plan; its sampler draws the batches."""
         if self.train_dataset is None:
-            raise ValueError("DPTrainer: training requires a train_dataset.")
+            raise DataError("DPTrainer: training requires a train_dataset.")
         if self.model is not self._scoped_model:  # what trains is decided again for a fresh model
             check_model_is_privatizable(self.model)
             if self.hp_search_backend is not None:  # a trial's (call_model_init ran before its arguments were set)
@@ -211,7 +212,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
     def create_optimizer(self, model=None):
         engine = self.engine
         if engine is None:
-            raise RuntimeError("DPTrainer: the DP optimizer is made by train(), after its training dataloader.")
+            raise UnsupportedError("DPTrainer: the DP optimizer is made by train(), after its training dataloader.")
         if engine.optimizer is not None and self.optimizer is engine.optimizer:
             engine.attach(self.model)
             return self.optimizer
@@ -300,7 +301,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         states = inputs.pop(STATES_KEY, None)
         inputs = self._prepare_inputs(inputs)
         if "labels" not in inputs:
-            raise ValueError("DPTrainer: the batch has no `labels`; per-example losses need them.")
+            raise MissingColumnError("DPTrainer: the batch has no `labels`; per-example losses need them.")
         labels = inputs.pop("labels")
         unit_ids = inputs.pop(UNIT_KEY, None)
         batch_position_ids(self.model, inputs)

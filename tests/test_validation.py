@@ -1,35 +1,19 @@
-"""Bad input fails before anything is trained or written, naming the argument and the fix."""
+"""What DP-SGD cannot train privately is refused before anything is trained or written, naming the argument or
+module and the fix (privacy/validation.py; DPTrainer's init): a dataset without a length, BatchNorm, ViT embedding
+dropout, a batch loss (compute_loss_func), packed rows; δ above 1/n is warned."""
+
+import copy
 
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
+from transformers import DataCollatorWithFlattening
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import NotPrivatizableError
-from hf_dp_repr.tiny import tiny_vit
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"target_epsilon": 0.0}, "target_epsilon must be > 0"),
-        ({"target_epsilon": -1.0}, "target_epsilon must be > 0"),
-        ({"target_epsilon": 1.0, "target_delta": 0.0}, "target_delta must be in"),
-        ({"target_epsilon": 1.0, "target_delta": 1.0}, "target_delta must be in"),
-        ({"target_epsilon": 1.0, "noise_multiplier": 1.0}, "both target_epsilon and noise_multiplier"),
-        ({}, "neither target_epsilon nor noise_multiplier.*noise_multiplier=0"),
-        ({"target_epsilon": 1.0, "per_sample_max_grad_norm": 0.0}, "per_sample_max_grad_norm must be > 0"),
-        ({"target_epsilon": 1.0, "accountant": "moments"}, "unknown accountant 'moments'"),
-        ({"target_epsilon": 1.0, "clipping": "adaptive"}, "unknown clipping"),
-        ({"target_epsilon": 1.0, "max_grad_norm": 1.0}, "max_grad_norm"),
-        ({"target_epsilon": 1.0, "auto_find_batch_size": True}, "auto_find_batch_size"),
-    ],
-)
-def test_bad_arguments_raise_and_write_nothing(kwargs, message, tmp_path):
-    out = tmp_path / "never"
-    with pytest.raises(ValueError, match=message):
-        DPTrainingArguments(output_dir=str(out), report_to="none", **kwargs)
-    assert not out.exists()
+from hf_dp_repr.privacy.validation import check_one_row_per_example
+from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
+from utils import dp_args
 
 
 def _args(out):
@@ -75,3 +59,29 @@ def test_vit_embedding_dropout_is_refused(tmp_path):
 def test_compute_loss_func_is_refused(tmp_path):
     with pytest.raises(ValueError, match="per_example_loss"):
         DPTrainer(model=tiny_vit(), args=_args(tmp_path / "never"), compute_loss_func=lambda *a, **k: 0)
+
+
+# ---- packed rows --------------------------------------------------------------------------------------
+def test_packed_batches_are_refused_before_training(token_dataset, tmp_path):
+    model = tiny_gpt2()
+    before = copy.deepcopy(model.state_dict())
+    rows = token_dataset.with_format(None).map(lambda r: {"input_ids": r["input_ids"][: sum(r["attention_mask"])]},
+                                               remove_columns=["attention_mask", "labels"])
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, per_device_train_batch_size=4, max_steps=2),
+                        train_dataset=rows, data_collator=DataCollatorWithFlattening())
+    with pytest.raises(ValueError, match="no packing under DP-SGD"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert trainer.ledger is None  # no step was accounted, none was taken
+
+
+def test_one_row_per_example_check():
+    ids = torch.arange(12).view(2, 6)
+    check_one_row_per_example({"input_ids": ids, "labels": ids}, 2)
+    left_padded = {"position_ids": torch.tensor([[1, 1, 0, 1, 2, 3]]),
+                   "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1]])}
+    check_one_row_per_example(left_padded, 1)
+    with pytest.raises(ValueError, match="`input_ids` has shape \\(1, 12\\) for 2 examples"):
+        check_one_row_per_example({"input_ids": ids.view(1, 12)}, 2)
+    with pytest.raises(ValueError, match="`position_ids` restart inside a row"):
+        check_one_row_per_example({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}, 1)

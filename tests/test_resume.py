@@ -1,6 +1,7 @@
-"""Checkpoints survive interruptions (issue 23 items 1, 2, 3, 5; issue 22 item 5): a checkpoint is whole or absent,
-resume takes the newest complete one, steps lost to a kill are charged, output_dir is checked before any work and a
-refusal writes nothing, a recipe rerun resumes, and a changed argument on resume is named, refused or ignored."""
+"""Resuming (training/resume.py, output_dir.py; issue 23 items 1, 2, 3, 5; issue 22 item 5): a checkpoint is whole or
+absent, resume takes the newest complete one, spends the same ε as an uninterrupted run and refuses a changed plan,
+steps lost to a kill are charged, output_dir is checked before any work and a refusal writes nothing, a recipe rerun
+resumes, and a changed argument on resume is named, refused or ignored. What is saved is a plain HF model."""
 
 import json
 import os
@@ -9,7 +10,8 @@ import subprocess
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback
+from safetensors.torch import load_file
+from transformers import Trainer, TrainerCallback, ViTForImageClassification
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
@@ -18,7 +20,6 @@ from hf_dp_repr.errors import DPConfigError, OutputDirError
 from hf_dp_repr.privacy.accounting import compute_epsilon
 from hf_dp_repr.tiny import tiny_vit
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS, EVERY = 6, 3
 
 
@@ -87,26 +88,6 @@ def test_a_truncated_ledger_is_skipped_and_named(data, tmp_path):
     assert "skipping incomplete checkpoint(s)" in log and "checkpoint-6 (privacy_ledger.json unreadable" in log
     assert f"resuming from {tmp_path / 'checkpoint-3'}" in log
     assert resumed.ledger.steps_done == STEPS and resumed.state.global_step == STEPS
-
-
-def test_the_ledger_is_computed_before_its_file_is_opened(tmp_path, monkeypatch):
-    from hf_dp_repr.training.plan import plan_run
-
-    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, target_delta=1e-3, max_steps=4,
-                               per_device_train_batch_size=10, report_to="none")
-    ledger = PrivacyLedger(plan_run(args, 100), steps_done=2)
-    ledger.save(str(tmp_path))
-    before = (tmp_path / "privacy_ledger.json").read_text()
-
-    def interrupted(self):
-        raise KeyboardInterrupt  # SIGINT during the (seconds-long) accountant call
-
-    monkeypatch.setattr(PrivacyLedger, "epsilon", interrupted)
-    ledger.steps_done = 3
-    with pytest.raises(KeyboardInterrupt):
-        ledger.save(str(tmp_path))
-    assert (tmp_path / "privacy_ledger.json").read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["privacy_ledger.json"]
 
 
 # ---- issue 22 item 5: the steps a kill lost are charged ----------------------------------------------------------
@@ -223,3 +204,82 @@ def test_a_recipe_rerun_resumes_its_checkpoints_or_overwrites_when_told(tmp_path
     assert (tmp_path / "checkpoint-4" / "model.safetensors").read_bytes() != weights
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert torch.isfinite(torch.tensor(json.loads((tmp_path / "all_results.json").read_text())["eval_loss"]))
+
+
+# ---- a killed run resumed spends the same ε; what is saved is a plain HF model --------------------------------------
+PLANNED_STEPS = 6
+
+
+class StopAt(TrainerCallback):
+    """Simulates a run killed right after the checkpoint of `step`."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def make_trainer(output_dir, dataset, callbacks=()):
+    args = DPTrainingArguments(
+        output_dir=str(output_dir), target_epsilon=4.0, target_delta=1e-4, per_device_train_batch_size=32,
+        gradient_accumulation_steps=2, max_steps=PLANNED_STEPS, save_strategy="steps", save_steps=3,
+        learning_rate=1e-3, report_to="none", disable_tqdm=True, seed=7, logging_steps=1,
+    )
+    return DPTrainer(model=tiny_vit(), args=args, train_dataset=dataset, callbacks=list(callbacks))
+
+
+def test_killed_and_resumed_run_spends_the_same_epsilon(digits, tmp_path):
+    dataset = digits["train"].select(range(400))
+    full = make_trainer(tmp_path / "full", dataset)
+    full_out = full.train()
+
+    killed = make_trainer(tmp_path / "killed", dataset, [StopAt(3)])
+    killed.train()
+    assert killed.ledger.steps_done == 3
+    checkpoint = tmp_path / "killed" / "checkpoint-3"
+    saved = json.loads((checkpoint / "privacy_ledger.json").read_text())
+    assert saved["steps_done"] == 3 and saved["history"][0][2] == 3
+
+    resumed = make_trainer(tmp_path / "killed", dataset)
+    resumed_out = resumed.train(resume_from_checkpoint=True)
+    assert resumed.ledger.steps_done == PLANNED_STEPS == full.ledger.steps_done
+    assert resumed.ledger.history == full.ledger.history
+    assert resumed_out.metrics["epsilon"] == full_out.metrics["epsilon"] <= 4.0
+
+
+def test_resume_refuses_a_changed_plan_and_missing_ledger(digits, tmp_path):
+    dataset = digits["train"].select(range(400))
+    make_trainer(tmp_path / "run", dataset, [StopAt(3)]).train()
+    changed = make_trainer(tmp_path / "run", dataset.select(range(300)))
+    with pytest.raises(ValueError, match="privacy plan changed"):
+        changed.train(resume_from_checkpoint=True)
+    os.remove(tmp_path / "run" / "checkpoint-3" / "privacy_ledger.json")
+    with pytest.raises(ValueError, match="no privacy_ledger.json"):
+        make_trainer(tmp_path / "run", dataset).train(resume_from_checkpoint=True)
+
+
+def test_epsilon_is_logged_at_every_logging_step(digits, tmp_path):
+    trainer = make_trainer(tmp_path / "log", digits["train"].select(range(400)))
+    trainer.train()
+    train_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(train_logs) == PLANNED_STEPS
+    epsilons = [entry["epsilon"] for entry in train_logs]
+    assert all(a < b for a, b in zip(epsilons, epsilons[1:]))  # grows with every step
+    assert epsilons[-1] <= 4.0
+    assert not any("grad_norm" in entry for entry in trainer.state.log_history)  # non-private: never logged
+
+
+def test_saved_vit_is_plain_hf_and_reloads(digits, tmp_path):
+    trainer = make_trainer(tmp_path / "vit", digits["train"].select(range(400)))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    keys = load_file(str(tmp_path / "final" / "model.safetensors")).keys()
+    assert not any("_module" in k or "grad_sample" in k for k in keys)
+    reloaded = ViTForImageClassification.from_pretrained(str(tmp_path / "final")).eval()
+    batch = digits["test"][:8]["pixel_values"]
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(pixel_values=batch).logits, trainer.model(pixel_values=batch).logits)
+    assert PrivacyLedger.load(str(tmp_path / "final")).steps_done == PLANNED_STEPS

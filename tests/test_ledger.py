@@ -1,5 +1,6 @@
-"""Plan vs ledger (issue 14, item 10): a frozen `PrivacyPlan` of what the run will do, and a `PrivacyLedger` of how
-far it got, with the ledger file of every checkpoint unchanged."""
+"""Plan vs ledger (issue 14, item 10; privacy/ledger.py, training/plan.py): a frozen `PrivacyPlan` of what the run
+will do, and a `PrivacyLedger` of how far it got, with the ledger file of every checkpoint unchanged. The ledger
+steps through its phases and never past them, is computed before its file is opened, and a corrupted one is named."""
 
 import dataclasses
 import json
@@ -8,6 +9,9 @@ import pytest
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments, PrivacyLedger, PrivacyPlan
 from hf_dp_repr.errors import DPConfigError
+from hf_dp_repr.privacy.accounting import (
+    compute_epsilon,
+)
 from hf_dp_repr.privacy.ledger import Phase
 from hf_dp_repr.tiny import tiny_vit
 from hf_dp_repr.training.plan import plan_run, resume_ledger
@@ -135,3 +139,63 @@ def test_the_trainer_plans_then_steps_a_separate_ledger(digits, tmp_path):
     trainer.train()  # plans afresh (the arguments may have changed), then steps a ledger of that plan
     assert trainer.ledger.plan is trainer.privacy_plan() and trainer.ledger.plan == plan
     assert trainer.ledger.steps_done == 2 and not hasattr(trainer.privacy_plan(), "steps_done")
+
+
+def test_ledger_steps_through_its_phases_and_round_trips(tmp_path):
+    ledger = PrivacyLedger(PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=100, poisson_sampling=True,
+                                       phases=[Phase("linear_probe", 2.0, 0.2, 2, 20),
+                                               Phase("fine_tune", 1.0, 0.1, 3, 10)]))
+    for _ in range(5):
+        ledger.record_step()
+    assert ledger.history == [(2.0, 0.2, 2), (1.0, 0.1, 3)]
+    by_phase = ledger.epsilon_by_phase()
+    assert by_phase["linear_probe"] == compute_epsilon([(2.0, 0.2, 2)], 1e-5, "rdp")
+    assert ledger.epsilon() == compute_epsilon(ledger.history, 1e-5, "rdp") < sum(by_phase.values())
+    ledger.save(tmp_path)
+    assert PrivacyLedger.load(tmp_path) == ledger
+
+
+def test_ledger_never_goes_past_planned_steps():
+    ledger = PrivacyLedger(PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                                       clipping="flat", dataset_size=100, poisson_sampling=True,
+                                       phases=[Phase("train", 1.0, 0.1, 2, 10)]))
+    ledger.record_step()
+    ledger.record_step()
+    with pytest.raises(RuntimeError, match="budget exhausted"):
+        ledger.record_step()
+    assert ledger.steps_done == 2
+
+
+def test_a_corrupted_ledger_names_the_file_and_what_to_do(digits, tmp_path):
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    (checkpoint / "privacy_ledger.json").write_text('{"accountant": "prv", "phases": [')
+    with pytest.raises(ValueError, match=r"privacy_ledger.json is corrupted") as e:
+        PrivacyLedger.load(str(checkpoint))
+    assert str(checkpoint / "privacy_ledger.json") in str(e.value) and "earlier checkpoint" in str(e.value)
+    (checkpoint / "privacy_ledger.json").write_text('{"accountant": "prv"}')  # valid JSON, fields missing
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, target_delta=1e-4, report_to="none")
+    with pytest.raises(ValueError, match=r"checkpoint-3/privacy_ledger.json is corrupted \(KeyError"):
+        DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"]).train(
+            resume_from_checkpoint=str(checkpoint))
+
+
+def test_the_ledger_is_computed_before_its_file_is_opened(tmp_path, monkeypatch):
+    from hf_dp_repr.training.plan import plan_run
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, target_delta=1e-3, max_steps=4,
+                               per_device_train_batch_size=10, report_to="none")
+    ledger = PrivacyLedger(plan_run(args, 100), steps_done=2)
+    ledger.save(str(tmp_path))
+    before = (tmp_path / "privacy_ledger.json").read_text()
+
+    def interrupted(self):
+        raise KeyboardInterrupt  # SIGINT during the (seconds-long) accountant call
+
+    monkeypatch.setattr(PrivacyLedger, "epsilon", interrupted)
+    ledger.steps_done = 3
+    with pytest.raises(KeyboardInterrupt):
+        ledger.save(str(tmp_path))
+    assert (tmp_path / "privacy_ledger.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["privacy_ledger.json"]

@@ -1,13 +1,17 @@
-"""`hf-dp-repr privacy` against Opacus' accountants, and σ calibration."""
+"""`hf-dp-repr privacy` against Opacus' accountants, σ calibration, a full batch (q = 1), and the budgets it cannot
+certify (infinite, NaN, below the accountant's floor) refused with what to do."""
 
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 from opacus.accountants import create_accountant
 
+from hf_dp_repr import DPTrainingArguments
 from hf_dp_repr.cli import main
+from utils import gaussian_epsilon
 
 
 def run_cli(capsys, *argv):
@@ -65,7 +69,6 @@ def test_gdp_is_refused_and_replace_one_needs_pld(capsys):
 
 def test_defaults_are_the_trainers(capsys):
     """Planned from the shell as DPTrainer plans it: the same accountant and neighbouring relation by default."""
-    from hf_dp_repr import DPTrainingArguments
 
     args = DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, target_delta=1e-5, report_to="none")
     out = run_cli(capsys, "--sample-rate", "0.01", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5")
@@ -73,3 +76,30 @@ def test_defaults_are_the_trainers(capsys):
     rdp = run_cli(capsys, "--sample-rate", "0.01", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5",
                   "--accountant", "rdp")
     assert rdp["neighboring"] == "add_remove"
+
+
+@pytest.mark.parametrize("value, message", [("inf", "--noise-multiplier 0"), ("nan", "NaN")])
+def test_privacy_cli_refuses_an_infinite_target(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["privacy", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5", "--target-epsilon", value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_privacy_cli_says_what_a_too_low_budget_would_need():
+    with pytest.raises(SystemExit, match=r"hf-dp-repr privacy: target_epsilon=0.001 .*Reachable: target_epsilon="):
+        main(["privacy", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5", "--target-epsilon", "0.001",
+              "--accountant", "prv"])  # pld certifies it (σ = 5120): prv has a floor
+
+
+def test_privacy_cli_accounts_for_a_full_batch(capsys):
+    from hf_dp_repr.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert main(["privacy", "--sample-rate", "1", "--noise-multiplier", "2", "--steps", "10", "--delta",
+                     "1e-5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    eps = out["epsilon"]
+    assert out["neighboring"] == "replace_one"  # the default: sensitivity 2C, the add/remove ε at σ/2
+    exact = gaussian_epsilon(1.0, 10, 1e-5)
+    assert exact <= eps <= 1.01 * exact

@@ -24,8 +24,6 @@ from hf_dp_repr.hub.card import format_epsilon
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import free_port, make_token_dataset
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 WEIGHTS_LEDGER_CARD = ["README.md", "config.json", "model.safetensors", "privacy_ledger.json"]
 AFTER_TRAINING = ["README.md", "all_results.json", "config.json", "model.safetensors", "privacy_ledger.json"]
 # What a run leaves at the top of output_dir, or a user puts there, that must never be pushed.
@@ -365,3 +363,34 @@ def test_pushed_dp_gpt2_loads_back_with_from_pretrained_and_generates(tmp_path, 
     generated = loaded.generate(prompt, max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 7) and torch.equal(generated, local.generate(prompt, max_new_tokens=4,
                                                                                do_sample=False))
+
+
+# ---- trainer.push_to_hub's keywords ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(digits, tmp_path_factory):
+    args = DPTrainingArguments(output_dir=str(tmp_path_factory.mktemp("push")), noise_multiplier=1.0,
+                               target_delta=1e-4, max_steps=1, per_device_train_batch_size=64, report_to="none",
+                               save_strategy="no", disable_tqdm=True)
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"].select(range(256)))
+    trainer.train()
+    return trainer
+
+
+def test_push_to_hub_honours_hub_model_id_and_the_card_keywords(trained, hub):
+    trained.push_to_hub(hub_model_id="someone/dp-vit", license="mit", tags=["vision", "dp"], language="en",
+                        model_name="tiny ViT on digits", finetuned_from="google/vit-base-patch16-224",
+                        dataset="someone/digits")
+    assert list(hub.repos) == ["someone/dp-vit"]  # not output_dir's name
+    card = ModelCard(hub.repos["someone/dp-vit"].files["README.md"].decode())
+    assert card.data.license == "mit" and card.data.language == ["en"]
+    assert {"vision", "dp", "differential-privacy"} <= set(card.data.tags)
+    assert card.data.base_model == "google/vit-base-patch16-224" and card.data.datasets == ["someone/digits"]
+    assert card.text.startswith("\n# tiny ViT on digits (DP-SGD")
+
+
+@pytest.mark.parametrize("kwargs", [{"tasks": "image-classification"}, {"dataset_args": "x"}, {"licence": "mit"}])
+def test_push_to_hub_refuses_keywords_the_dp_card_cannot_state_before_anything_is_sent(trained, kwargs, hub):
+    info = trained.model_card_info
+    with pytest.raises(TypeError, match=f"got \\['{next(iter(kwargs))}'\\]"):
+        trained.push_to_hub(**kwargs)
+    assert hub.requests == [] and hub.repos == {} and trained.model_card_info is info

@@ -107,7 +107,7 @@ def test_private_search_reports_the_papernot_steinke_total(digits, tmp_path):
     rows = read_rows(tmp_path)
     assert rows and best is not None
     # By hand: the worst RDP curve over the 4 schedules the space can draw, through the Papernot-Steinke bound
-    # (whose formulas test_tuning_privacy checks against hand computations).
+    # (whose formulas test_selection_privacy checks against hand computations).
     curves = []
     for steps in (2, 4):
         for batch in (32, 64):

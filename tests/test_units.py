@@ -15,17 +15,7 @@ from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.hub.card import write_model_card
 from hf_dp_repr.privacy.units import UnitPoissonBatchSampler, describe_unit, sum_per_unit, unit_rows
 from hf_dp_repr.tiny import tiny_vit
-from utils import CaptureUpdate
-
-# 6 users, 20 rows: "big" has 11 rows, more than a micro-batch of 10 (2 micro-batches), so it always spans
-# micro-batches; "solo" has 1 row, the others 2 each.
-USERS = ["big"] * 11 + ["solo"] + ["u1", "u1", "u2", "u2", "u3", "u3", "u4", "u4"]
-
-
-def user_dataset(digits, users=USERS):
-    rows = digits["train"].select(range(len(users))).with_format(None).to_dict()
-    rows["user_id"] = list(users)
-    return Dataset.from_dict(rows).with_format("torch", columns=["pixel_values", "labels"], output_all_columns=True)
+from utils import USERS, CaptureUpdate, brute_force_unit_sum, norm_of_difference, user_dataset
 
 
 def summed_update(dataset, tmp_path, per_device, accumulation, clip, name="run", **kw):
@@ -41,27 +31,6 @@ def summed_update(dataset, tmp_path, per_device, accumulation, clip, name="run",
     assert trainer.ledger.plan.phases[0].sample_rate == 1.0
     L = trainer.ledger.expected_batch_size
     return {n: g * L for n, g in capture.grads.items()}, trainer
-
-
-def norm_of_difference(a, b):
-    return torch.sqrt(sum(((a[n] - b[n]).double() ** 2).sum() for n in a)).item()
-
-
-def brute_force_unit_sum(dataset, clip):
-    """Σ over users of clip_C(gradient of the sum of the user's row losses), each user computed alone."""
-    model = tiny_vit(num_labels=10, seed=0)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in model.named_parameters() if p.requires_grad]
-    users = list(dataset["user_id"])
-    total = [torch.zeros_like(p) for p in params]
-    for user in dict.fromkeys(users):
-        rows = [i for i, u in enumerate(users) if u == user]
-        loss = sum(model(pixel_values=dataset[i]["pixel_values"][None], labels=dataset[i]["labels"][None]).loss
-                   for i in rows)
-        grads = torch.autograd.grad(loss, params)
-        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
-        total = [t + g * min(1.0, clip / (norm + 1e-6)) for t, g in zip(total, grads)]
-    return dict(zip(names, total))
 
 
 def test_unit_gradients_are_summed_then_clipped_across_micro_batches(digits, tmp_path):
@@ -154,18 +123,6 @@ def test_describe_unit():
     assert describe_unit("row") == "one example (row)"
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(privacy_unit="user_id", poisson_sampling=False), "needs poisson_sampling=True"),
-    (dict(privacy_unit="user_id", cache_features=True), "cache_features=True with privacy_unit"),
-    (dict(max_rows_per_unit=3), "max_rows_per_unit is set but privacy_unit='row'"),
-    (dict(privacy_unit="user_id", max_rows_per_unit=0), "max_rows_per_unit=0 must be >= 1"),
-    (dict(privacy_unit=""), "privacy_unit='' must be"),
-])
-def test_unsupported_combinations_are_refused(kw, match, tmp_path):
-    with pytest.raises(ValueError, match=match):
-        DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, report_to="none", **kw)
-
-
 def test_missing_or_absent_unit_column_is_refused_before_training(digits, tmp_path):
     args = DPTrainingArguments(output_dir=str(tmp_path / "x"), target_epsilon=1.0, privacy_unit="user_id",
                                report_to="none")
@@ -185,81 +142,6 @@ def test_unit_ids_of_a_torch_formatted_dataset_are_values_not_tensors(digits):
     assert unit_rows(column_values(data, "document_id"))[1] == 2
     as_dicts = [dict(row) for row in data]  # a plain map-style dataset of dicts holding tensors
     assert unit_rows(column_values(as_dicts, "document_id"))[1] == 2
-
-
-def test_causal_lm_recipe_unit_flag(tmp_path):
-    from hf_dp_repr.scripts.causal_lm import document_level
-
-    def args(**kw):
-        return DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, report_to="none", **kw)
-
-    default = args()
-    assert document_level(default, set()) and default.privacy_unit == "document_id"
-    block = args(privacy_unit="block")
-    assert not document_level(block, {"privacy_unit"}) and block.privacy_unit == "row"
-    with pytest.raises(ValueError, match="needs poisson_sampling=True"):
-        document_level(args(poisson_sampling=False), set())  # re-checked after the recipe sets the unit
-    with pytest.raises(ValueError, match="supports 'document_id'"):
-        document_level(args(privacy_unit="user_id"), {"privacy_unit"})
-
-
-@pytest.mark.slow
-def test_two_processes_clip_each_unit_once(tmp_path):
-    """2 processes under accelerate launch (gloo): each unit goes whole to one rank, so the σ = 0, q = 1 update
-    (every unit clipped to C = 0.05, far below its gradient) equals the 1-process one and the brute-force sum of
-    per-user clipped gradients. A unit split over the ranks would be clipped twice and add up to 2C."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from utils import ACCEL_CONFIG, free_port
-
-    root = Path(__file__).resolve().parents[1]
-    script = str(root / "tests" / "privacy_unit_ddp_script.py")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root),
-           "ACCELERATE_USE_CPU": "true"}  # gloo on a CPU machine, as the recipes set it
-    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    for cmd in ([sys.executable, script, str(one), "6", "1"],
-                [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-                 "--main_process_port", str(free_port()), script, str(two), "3", "1"]):
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    a, b = torch.load(one), torch.load(two)
-    assert (a["world_size"], b["world_size"]) == (1, 2)
-    assert a["dataset_size"] == b["dataset_size"] == 6 and a["sample_rate"] == b["sample_rate"] == 1.0
-    assert norm_of_difference(a["update"], b["update"]) < 1e-5
-    want = brute_force_unit_sum(user_dataset_for_script(), 0.05)
-    assert norm_of_difference({n: b["update"][n] for n in want}, want) < 1e-5
-
-
-def user_dataset_for_script():
-    from hf_dp_repr.data import load_digits_dataset
-    from privacy_unit_ddp_script import USERS as SCRIPT_USERS
-
-    return user_dataset(load_digits_dataset(), SCRIPT_USERS)
-
-
-def test_optimizer_refuses_a_unit_that_comes_back_after_it_was_clipped():
-    """A unit clipped in one micro-batch and seen again in a later one would contribute up to 2C: the run stops."""
-    from opacus.grad_sample import GradSampleHooks
-
-    from hf_dp_repr.privacy.optimizer import MicroBatchDPOptimizer
-
-    model = torch.nn.Linear(3, 1)
-    hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
-    opt = MicroBatchDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), clipping="flat", noise_multiplier=0.0,
-                                max_grad_norm=1.0, expected_batch_size=2, noise_generator=lambda d: None)
-
-    def micro_batch(units):
-        model(torch.randn(len(units), 3)).sum().backward()
-        opt.accumulate_micro_batch(torch.tensor(units))
-
-    micro_batch([0, 0, 1])  # unit 0 is complete here (clipped); unit 1 stays open
-    micro_batch([1, 2])  # unit 1 continues: fine
-    with pytest.raises(RuntimeError, match="unit 0 appears again"):
-        micro_batch([0])
-    hooks.remove_hooks()
 
 
 def test_delta_is_checked_against_the_number_of_units(digits, tmp_path):

@@ -1,4 +1,5 @@
-"""The LP→FT budget curve and the seed-000 sweep: every run spends its target ε, the outputs are written."""
+"""The LP→FT budget curve (tuning/budget_split.py): every run spends its target ε, the composed cost is stated and
+the outputs are written."""
 
 import csv
 import os
@@ -29,20 +30,3 @@ def test_budget_split_sweep_spends_the_target_per_run_and_states_the_composed_co
         assert len(list(csv.DictReader(f))) == 3
     assert os.path.getsize(png_path) > 0
     assert "best split" in result.summary()
-
-
-@pytest.mark.slow
-def test_seed000_sweep_writes_its_report(tmp_path):
-    from hf_dp_repr.scripts.seed000 import run_seed000
-
-    space = lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-3, 1e-2, log=True),  # noqa: E731
-                       "num_train_epochs": t.suggest_categorical("num_train_epochs", [1])}
-    summary = run_seed000(str(tmp_path), epsilons=(1.0,), ks=(1, 4), n_trials=2, pretrain_epochs=3,
-                          constant_epochs=1, hp_space=space, progress=False)
-    assert [(r["k"], r["run"]) for r in summary["rows"]] == [(1, "tuned"), (1, "constant_lr"), (4, "tuned"),
-                                                             (4, "constant_lr")]
-    for r in summary["rows"]:
-        assert r["epsilon_spent"] == pytest.approx(1.0, rel=0.01)
-        assert len(r["fuzziness"].split(",")) == 5  # D_l at the embedding output and after each of the 4 blocks
-    for name in ("report.md", "results.csv", "summary.json", "accuracy_vs_k.png", "fuzziness_by_layer.png"):
-        assert os.path.exists(tmp_path / name)

@@ -1,12 +1,12 @@
-"""A real 2-process run: the image recipe under `accelerate launch` (gloo on CPU), against the same run in 1 process.
+"""Several processes under `accelerate launch` (gloo on CPU), against the same run in 1 process.
 
-With σ = 1000 the noise dominates the clipped gradient sum (at most B·C = 32 against a noise norm of
-σ·C·√P ≈ 3.7e5), so one SGD step's update Δ = −lr·(Σ clip(g_i) + N(0, σ²C²)) / B has a per-coordinate std of
-lr·σ·C/B. Noise added once per logical batch gives the same std with 1 or 2 processes; noise added on every
-process would give √2 times more with 2 (2 times if the ranks drew the same noise), and dividing by the
-per-process batch would give 2 times more. (Both runs pass the same `noise_seed`, so rank 0 draws the noise the
-single process draws, and the two updates are in fact nearly identical.)
-"""
+A real 2-process run of the image recipe: with σ = 1000 the noise dominates the clipped gradient sum (at most
+B·C = 32 against a noise norm of σ·C·√P ≈ 3.7e5), so one SGD step's update Δ = −lr·(Σ clip(g_i) + N(0, σ²C²)) / B
+has a per-coordinate std of lr·σ·C/B. Noise added once per logical batch gives the same std with 1 or 2 processes;
+noise added on every process would give √2 times more with 2 (2 times if the ranks drew the same noise), and dividing
+by the per-process batch would give 2 times more. (Both runs pass the same `noise_seed`, so rank 0 draws the noise
+the single process draws, and the two updates are in fact nearly identical.) Also: a privacy unit is clipped once
+across ranks, and the recipes log the plan and the results once."""
 
 import json
 import os
@@ -19,7 +19,7 @@ import torch
 from transformers import ViTForImageClassification
 
 from hf_dp_repr.tiny import tiny_vit
-from utils import ACCEL_CONFIG, free_port
+from utils import ACCEL_CONFIG, brute_force_unit_sum, free_port, norm_of_difference, user_dataset
 
 pytestmark = pytest.mark.slow  # several processes under accelerate launch
 
@@ -126,3 +126,67 @@ def test_two_processes_report_the_single_process_eval_loss(tmp_path):
     assert 2.0 < one["eval_loss"] < 4.0  # a fresh 18-class head: about ln 18 = 2.89
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-4)
     assert two["eval_accuracy"] == one["eval_accuracy"]
+
+
+# ---- a privacy unit across processes, and the logs of a 2-process recipe --------------------------------------------
+@pytest.mark.slow
+def test_two_processes_clip_each_unit_once(tmp_path):
+    """2 processes under accelerate launch (gloo): each unit goes whole to one rank, so the σ = 0, q = 1 update
+    (every unit clipped to C = 0.05, far below its gradient) equals the 1-process one and the brute-force sum of
+    per-user clipped gradients. A unit split over the ranks would be clipped twice and add up to 2C."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from utils import ACCEL_CONFIG, free_port
+
+    root = Path(__file__).resolve().parents[1]
+    script = str(root / "tests" / "privacy_unit_ddp_script.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root),
+           "ACCELERATE_USE_CPU": "true"}  # gloo on a CPU machine, as the recipes set it
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    for cmd in ([sys.executable, script, str(one), "6", "1"],
+                [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
+                 "--main_process_port", str(free_port()), script, str(two), "3", "1"]):
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = torch.load(one), torch.load(two)
+    assert (a["world_size"], b["world_size"]) == (1, 2)
+    assert a["dataset_size"] == b["dataset_size"] == 6 and a["sample_rate"] == b["sample_rate"] == 1.0
+    assert norm_of_difference(a["update"], b["update"]) < 1e-5
+    want = brute_force_unit_sum(user_dataset_for_script(), 0.05)
+    assert norm_of_difference({n: b["update"][n] for n in want}, want) < 1e-5
+
+
+def user_dataset_for_script():
+    from hf_dp_repr.data import load_digits_dataset
+    from privacy_unit_ddp_script import USERS as SCRIPT_USERS
+
+    return user_dataset(load_digits_dataset(), SCRIPT_USERS)
+
+
+@pytest.mark.slow
+def test_two_processes_log_the_plan_and_the_results_once(tmp_path):
+    """`accelerate launch` with 2 processes (gloo on CPU): the plan table, the public pre-training lines and the
+    result table each appear once, not once per process."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "recipes" / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", str(port),
+           str(ROOT / "recipes" / "dp_image_classification.py"), "--output_dir", str(tmp_path / "o"),
+           "--target_epsilon", "8", "--target_delta", "1e-4", "--public_fraction", "0.3", "--public_epochs", "2",
+           "--per_device_train_batch_size", "16", "--max_steps", "2", "--max_eval_samples", "64",
+           "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert out.count("DP-SGD plan (") == 1, out[-5000:]
+    assert out.count("public pre-training: 431 public examples") == 1
+    assert out.count("| ε spent") == 1 and out.count("| test accuracy") == 1

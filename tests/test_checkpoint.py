@@ -1,5 +1,6 @@
-"""Resuming restores exactly the weights that were checkpointed (every tensor, for every model kind), and
-`load_best_model_at_end` loads the best checkpoint's weights; a checkpoint that does not fit is refused."""
+"""Checkpoint weights (training/checkpoint.py): resuming restores exactly the weights that were checkpointed (every
+tensor, for every model kind), and `load_best_model_at_end` loads the best checkpoint's weights; a checkpoint that does
+not fit is refused."""
 
 import pytest
 import torch
