@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ArgumentTypeError, UnsupportedError
+from ..errors import ArgumentError, ArgumentTypeError, UnsupportedError
 from . import ghost_rules
 from .ghost_rules import OneHot, at_least_f32, pieces_of, saved_inputs
 
@@ -262,7 +262,7 @@ class GhostClippingEngine:
         reduce-scatters it) never holds more than one full-size sum."""
         unknown = [p for p in self._pieces if p not in factors]
         if unknown:
-            raise KeyError(f"GhostClippingEngine: no clip factors for {len(unknown)} tensor(s) with a gradient.")
+            raise ArgumentError(f"GhostClippingEngine: no clip factors for {len(unknown)} tensor(s) with a gradient.")
         for p in [p for p in factors if p in self._pieces]:
             pieces = self._pieces.pop(p)
             c = at_least_f32(factors[p])
