@@ -187,16 +187,16 @@ def shard_for_training(model, args, log):
     if model is None:
         raise DPConfigError("DPTrainer: fsdp (sharded DP-SGD) needs the model itself, not model_init: pass model=.")
     check_dp_arguments_for_sharding(args)
+    reason = unsupported_reason(model)  # before sharding: nothing is done to a model that cannot run sharded
+    if reason is not None:
+        raise DPConfigError(f"DPTrainer: sharded DP-SGD clips with the ghost engine, which cannot clip this model "
+                            f"exactly: {reason}. Train it without fsdp (clipping_engine='hooks').")
     if is_sharded(model):
         check_sharded_model(model)
         groups = "as loaded"
     else:
         request = request or ShardingRequest()
         groups = shard_model(model, request.block_classes, request.reshard_after_forward)
-    reason = unsupported_reason(model)
-    if reason is not None:
-        raise DPConfigError(f"DPTrainer: sharded DP-SGD clips with the ghost engine, which cannot clip this model "
-                            f"exactly: {reason}. Train it without fsdp (clipping_engine='hooks').")
     _mark_sharded(model)
     if args.process_index == 0:
         import torch.distributed as dist
