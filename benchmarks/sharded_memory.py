@@ -132,9 +132,10 @@ def main() -> None:
     with open(out) as f:
         rows = sorted((json.loads(line) for line in f), key=lambda r: (r["mode"], r["rank"]))
     unit = "MiB allocated (CUDA)" if torch.cuda.is_available() else "MiB RSS (CPU)"
+    cpu = platform.processor() or platform.machine()
     print(f"\nGPT-2 124M shapes ({rows[0]['params'] / 1e6:.1f}M parameters), {a.nproc} processes, {a.steps} steps of "
-          f"{a.batch} × {a.seq} tokens per rank; torch {torch.__version__}, {platform.processor() or platform.machine()}"
-          f", nproc {os.cpu_count()}, load {os.getloadavg()[0]:.2f} (1 min) after the runs")
+          f"{a.batch} × {a.seq} tokens per rank; torch {torch.__version__}, {cpu}, nproc {os.cpu_count()}, load "
+          f"{os.getloadavg()[0]:.2f} (1 min) after the runs")
     print(f"| mode | rank | wrapped by | after setup | steady after steps | peak during steps |  ({unit})")
     print("|---|---|---|---|---|---|")
     for r in rows:
