@@ -173,3 +173,29 @@ def test_one_and_two_processes_give_the_same_weights_with_noise_off(two_processe
     _, one = vit_lp_then_ft(tmp_path / "one", 1, sharded=True)
     for name in two:
         torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_sharded_run_pushes_a_plain_model_its_ledger_and_card(one_rank_group, tmp_path, digits, hub):
+    from huggingface_hub import HfApi, ModelCard
+    from torch.distributed.tensor import DTensor
+    from transformers import ViTForImageClassification
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.tiny import tiny_vit
+
+    repo = "someone/dp-sharded"
+    args = DPTrainingArguments(output_dir=str(tmp_path / "run"), noise_multiplier=0.55, target_delta=1e-4, max_steps=1,
+                               per_device_train_batch_size=16, report_to="none", save_strategy="no", disable_tqdm=True,
+                               push_to_hub=True, hub_model_id=repo, **copy.deepcopy(V2))
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
+    trainer.train()
+    trainer.push_to_hub()
+    files = set(HfApi().list_repo_files(repo))
+    assert {"README.md", "config.json", "model.safetensors", "privacy_ledger.json"} <= files
+    assert not files & {"optimizer.pt", "training_args.bin", "trainer_state.json"}
+    pushed = ViTForImageClassification.from_pretrained(repo)  # a plain HF model, whole
+    live = {n: p.full_tensor() for n, p in trainer.model.named_parameters() if isinstance(p, DTensor)}
+    assert len(live) == len(dict(pushed.named_parameters()))
+    for name, p in pushed.named_parameters():
+        assert torch.equal(p, live[name]), name
+    assert "differential-privacy" in ModelCard.load(repo).data.tags
