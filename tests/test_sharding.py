@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hf_dp_repr import DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError, ProcessGroupError
+from hf_dp_repr.training.hf_compat import HIDDEN_READS
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 V2 = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}  # copied before use: transformers edits fsdp_config in place
@@ -72,6 +73,25 @@ def test_torch_without_a_correct_gloo_reduce_scatter_is_refused(tmp_path, monkey
         _args(tmp_path, **copy.deepcopy(V2))
     assert not (tmp_path / "never").exists()
     _args(tmp_path)  # unsharded runs do not care
+
+
+# Trainer methods that read a field DPTrainer hides from Trainer.__init__ (training.hf_compat.HIDDEN_READS), besides
+# __init__: create_accelerator_and_postprocess runs inside __init__ (its save_only_model checks apply to accelerate's
+# FSDP/DeepSpeed plugins, refused here); _save_checkpoint reads the user's value again (the optimizer is saved).
+OTHER_READERS = {"fsdp": set(), "save_only_model": {"create_accelerator_and_postprocess", "_save_checkpoint"}}
+
+
+@pytest.mark.parametrize("field, text, why", HIDDEN_READS)
+def test_the_fields_hidden_from_trainer_init_are_read_there_and_nowhere_unexpected(field, text, why):
+    import inspect
+    import re
+
+    from transformers import Trainer
+
+    assert text in inspect.getsource(Trainer.__init__), (field, why)
+    readers = {name for name, f in inspect.getmembers(Trainer, inspect.isfunction)
+               if re.search(rf"args\.{field}\b", inspect.getsource(f))}
+    assert readers - {"__init__"} == OTHER_READERS[field], (field, why)
 
 
 def test_base_type_sees_through_fsdp_classes(one_rank_group):
