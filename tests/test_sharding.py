@@ -219,3 +219,40 @@ def test_a_sharded_run_pushes_a_plain_model_its_ledger_and_card(one_rank_group, 
     for name, p in pushed.named_parameters():
         assert torch.equal(p, live[name]), name
     assert "differential-privacy" in ModelCard.load(repo).data.tags
+
+
+def test_a_model_the_ghost_engine_cannot_clip_is_refused_before_it_is_sharded(one_rank_group, tmp_path, digits):
+    from torch.distributed.tensor import DTensor
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.tiny import tiny_vit
+
+    model = tiny_vit()
+    model.gradient_checkpointing_enable()  # on the model, not in the arguments (those are refused earlier)
+    args = DPTrainingArguments(output_dir=str(tmp_path / "never"), target_epsilon=1.0, report_to="none",
+                               **copy.deepcopy(V2))
+    with pytest.raises(DPConfigError, match="cannot clip this model exactly: gradient checkpointing.*without fsdp"):
+        DPTrainer(model=model, args=args, train_dataset=digits["train"])
+    assert not any(isinstance(p, DTensor) for p in model.parameters()) and not (tmp_path / "never").exists()
+
+
+def test_a_sharded_resume_from_a_checkpoint_missing_a_tensor_is_refused(one_rank_group, tmp_path, digits):
+    from safetensors.torch import load_file, save_file
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.errors import CheckpointMismatchError
+    from hf_dp_repr.tiny import tiny_vit
+
+    def trainer():
+        args = DPTrainingArguments(output_dir=str(tmp_path / "run"), noise_multiplier=0.55, target_delta=1e-4,
+                                   max_steps=2, per_device_train_batch_size=16, report_to="none",
+                                   save_strategy="steps", save_steps=1, disable_tqdm=True, **copy.deepcopy(V2))
+        return DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
+
+    trainer().train()
+    weights = tmp_path / "run" / "checkpoint-1" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["classifier.bias"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatchError, match="classifier.bias"):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
