@@ -173,7 +173,7 @@ class DPEngine:
                 raise LedgerError(f"DPEngine: the checkpoint's ledger is for another plan ({', '.join(changed)}).")
         if is_sharded(model) != (self.options.reduction == "fsdp2"):
             raise ArgumentError(f"DPEngine: reduction={self.options.reduction!r} for a model that is "
-                             f"{'' if is_sharded(model) else 'not '}sharded; sharded models take 'fsdp2'.")
+                                f"{'' if is_sharded(model) else 'not '}sharded; sharded models take 'fsdp2'.")
         self.ledger = PrivacyLedger(self.plan) if ledger is None else ledger
         self.attach(model, several)
         plan, phase = self.plan, self.ledger.phase
