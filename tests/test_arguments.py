@@ -22,7 +22,7 @@ REFUSED_VALUES = {
     "optim": "galore_adamw_layerwise", "neftune_noise_alpha": 5.0, "torch_compile": True,
     "torch_compile_backend": "inductor", "torch_compile_mode": "max-autotune", "use_liger_kernel": True,
     "torch_empty_cache_steps": 10, "dataloader_in_order": False, "label_names": ["target"],
-    "accelerator_config": {"split_batches": True}, "parallelism_config": ParallelismConfig(), "fsdp": "full_shard",
+    "accelerator_config": {"split_batches": True}, "parallelism_config": ParallelismConfig(),
     "deepspeed": "ds_config.json", "auto_find_batch_size": True, "max_grad_norm": 1.0, "fp16": True,
     "hub_token": "hf_secret", "ignore_data_skip": True,
 }

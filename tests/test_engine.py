@@ -162,7 +162,7 @@ def test_ghost_engine_keys_pieces_through_key_of():
     expected = reference.squared_norms()
     reference.remove()
     original = {"weight": layer.weight, "bias": layer.bias}
-    engine = GhostClippingEngine(layer, key_of=lambda p: original[next(n for n, q in gathered.items() if q is p)])
+    engine = GhostClippingEngine(layer, key_of={(layer, n): p for n, p in original.items()})
     gathered = {n: nn.Parameter(p.detach().clone()) for n, p in original.items()}
     for name, p in gathered.items():  # swapped in, as FSDP2 does before the forward
         setattr(layer, name, p)

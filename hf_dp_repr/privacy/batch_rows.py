@@ -36,6 +36,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..errors import NotPrivatizableError
+from .sharding import base_type
 
 # The modules whose per-example rules (both engines) may sum several rows per example.
 SEVERAL_ROWS = (nn.Linear, Conv1D, nn.Embedding, nn.LayerNorm)
@@ -172,7 +173,7 @@ def rows_per_example(first: RowsProbe, second: RowsProbe) -> set[str]:
                     raise _error(name, module, f"the rows of two copies of one example differ in its {what} "
                                                f"{shape_b}: its first dimension is not the example")
                 if r > 1:
-                    if type(module) not in SEVERAL_ROWS:
+                    if base_type(module) not in SEVERAL_ROWS:
                         raise _error(name, module, f"its {what} has {r} rows per example ({shape_b}), which only the "
                                                    "rules of Linear, Conv1D, Embedding and LayerNorm sum")
                     several.add(name)

@@ -5,7 +5,8 @@ model being trained and has one small interface: `recording(n)` around a micro-b
 backward), `remove()`, `disable_hooks()`/`enable_hooks()` (a public-data computation in between, e.g. the
 curvature), `ghost` (a `GhostClippingEngine` giving norms and clipped sums to the optimizer, or None: per-sample
 gradients in `p.grad_sample`) and, on the class, `unsupported(model, plan)`: why it cannot clip this model exactly
-(None when it can). `choose_clipper` tries them in registration order for clipping_engine="auto".
+(None when it can); one that can clip a model sharded by FSDP2 takes `key_of` (`sharding.parameter_keys`).
+`choose_clipper` tries them in registration order for clipping_engine="auto".
 
 Example (a new clipper is one registration; `choose_clipper` then considers it, after those registered before):
     >>> from hf_dp_repr.privacy.clippers import CLIPPERS, HooksClipper, register_clipper
@@ -30,6 +31,7 @@ from .batch_rows import ExampleRows
 from .ghost_clipping import GhostClippingEngine, unsupported_reason
 from .grad_samplers import opt_positions_pre_hook
 from .ledger import PrivacyPlan
+from .sharding import is_sharded
 from .units import ROW
 
 CLIPPERS: dict[str, type] = {}  # name -> clipper class, in order of preference
@@ -108,6 +110,14 @@ class HooksClipper(_Clipper):
 
     how = "by Opacus hooks"
     label = "Opacus hooks (slower, more memory)"
+
+    @staticmethod
+    def unsupported(model: nn.Module, plan: PrivacyPlan) -> str | None:
+        if is_sharded(model):  # measured: Opacus tags the sharded parameters, FSDP2 runs the gathered ones
+            return ("Opacus hooks cannot clip a model sharded by FSDP2: they store per-sample gradients on the sharded "
+                    "parameters, which the forward never uses, and need autograd's gradient, which FSDP2 would "
+                    "reduce-scatter unclipped")
+        return None
 
     def __init__(self, model: nn.Module, several=()):
         self._pre_hooks = [m.register_forward_pre_hook(opt_positions_pre_hook, with_kwargs=True)

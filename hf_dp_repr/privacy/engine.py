@@ -4,7 +4,8 @@ The plan is the single source of truth for what the guarantee depends on: σ, q 
 clipping mode, the unit of privacy, the accountant, δ, the neighbouring relation and the number of processes.
 `EngineOptions` holds the mechanics that never change ε (so they are in neither the plan nor the ledger): which
 clipper (auto / ghost / hooks), secure_mode, max_rows_per_unit, micro-batches per step, this process's rank, and
-the reduction strategy of the clipped sums (`privacy.reduction`: "ddp"; a sharded sibling registers next to it).
+the reduction strategy of the clipped sums (`privacy.reduction`: "ddp", or "fsdp2" for a model sharded by FSDP2,
+`privacy.sharding`).
 
 The engine owns: the run's secret `randomness`; the batch `sampler` (Poisson / shuffled / unit Poisson); the
 `clipper` on the model (`privacy.clippers`: ghost norms, or Opacus hooks, the fallback logged with its reason);
@@ -51,6 +52,7 @@ from .optimizer import MicroBatchDPOptimizer
 from .randomness import DPRandomness
 from .reduction import reduction
 from .sampler import PoissonBatchSampler, ShuffledBatchSampler
+from .sharding import is_sharded, parameter_keys
 from .units import ROW, UnitPoissonBatchSampler
 
 # What the engine takes from a checkpoint's ledger must be its own plan's (the caller checked the whole plan).
@@ -66,7 +68,7 @@ class EngineOptions:
     max_rows_per_unit: int | None = None  # with a privacy unit: rows of a unit kept per step
     micro_batches_per_step: int = 1  # the Trainer's gradient_accumulation_steps
     rank: int = 0
-    reduction: str = "ddp"  # `privacy.reduction.REDUCTIONS`
+    reduction: str = "ddp"  # `privacy.reduction.REDUCTIONS`: "fsdp2" for a sharded model
 
     def __post_init__(self):
         if self.clipping_engine != "auto" and self.clipping_engine not in CLIPPERS:
@@ -134,7 +136,9 @@ class DPEngine:
         if name != self.clipping_engine:
             self.log.info(f"DPTrainer: clipping_engine={name!r} (per-example clipping {CLIPPERS[name].how}).")
         self.clipping_engine = name
-        self.clipper = CLIPPERS[name](model, several=self._several)
+        # sharded: the clipper keys each use by the sharded parameter (hooks refuse sharded models: `unsupported`)
+        keys = {"key_of": parameter_keys(model)} if is_sharded(model) else {}
+        self.clipper = CLIPPERS[name](model, several=self._several, **keys)
         if self.optimizer is not None:
             self.optimizer.ghost = self.clipper.ghost
         return self.clipper
@@ -167,6 +171,9 @@ class DPEngine:
             changed = [k for k in _MECHANICS if getattr(ledger.plan, k) != getattr(self.plan, k)]
             if changed:
                 raise LedgerError(f"DPEngine: the checkpoint's ledger is for another plan ({', '.join(changed)}).")
+        if is_sharded(model) != (self.options.reduction == "fsdp2"):
+            raise ArgumentError(f"DPEngine: reduction={self.options.reduction!r} for a model that is "
+                                f"{'' if is_sharded(model) else 'not '}sharded; sharded models take 'fsdp2'.")
         self.ledger = PrivacyLedger(self.plan) if ledger is None else ledger
         self.attach(model, several)
         plan, phase = self.plan, self.ledger.phase
@@ -201,9 +208,10 @@ class DPEngine:
         self.phase = index
         return index
 
-    def after_backward(self, unit_ids: torch.Tensor | None = None) -> None:
-        """After a micro-batch's backward: clip each example (each unit, with `unit_ids`) and add to the sum."""
-        self.optimizer.accumulate_micro_batch(unit_ids)
+    def after_backward(self, unit_ids: torch.Tensor | None = None, stand_in: bool = False) -> None:
+        """After a micro-batch's backward: clip each example (each unit, with `unit_ids`) and add to the sum.
+        `stand_in`: a row run only to join a sharded run's collectives (this rank's micro-batch was empty)."""
+        self.optimizer.accumulate_micro_batch(unit_ids, stand_in)
 
     # ---- privacy spent ---------------------------------------------------------------------------------
     def epsilon(self) -> float:

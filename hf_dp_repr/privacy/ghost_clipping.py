@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ArgumentTypeError, UnsupportedError
+from ..errors import ArgumentError, ArgumentTypeError, UnsupportedError
 from . import ghost_rules
 from .ghost_rules import OneHot, at_least_f32, pieces_of, saved_inputs
 
@@ -135,8 +135,9 @@ class GhostClippingEngine:
 
     def __init__(self, model: nn.Module, several=(), key_of=None):
         self.model = model
-        # key_of(p): the tensor a module holds in the backward → the trained tensor it stands for (the key of the
-        # norms and sums). None: itself. FSDP swaps in gathered parameters; key_of maps them to the sharded ones.
+        # key_of[(module, attribute)]: the trained tensor a module's parameter stands for (the key of the norms and
+        # sums). None: the parameter itself. FSDP2 puts gathered parameters on the modules during forward and
+        # backward; key_of (`privacy.sharding.parameter_keys`) maps them back to the sharded ones.
         self.key_of = key_of
         self.several = {m for name, m in model.named_modules() if name in set(several)}
         self._batch_size: int | None = None
@@ -196,13 +197,14 @@ class GhostClippingEngine:
             # autograd would refuse too: the norms would be computed on the wrong activations
             raise UnsupportedError(f"GhostClippingEngine: the input of {type(module).__name__} was modified in place "
                                    "after its forward; use clipping_engine='hooks'.")
-        trained = self._trained
-        if self.key_of is not None:
-            trained = {p for p in module.parameters(recurse=False) if self.key_of(p) in self._trained}
+        trained, key = self._trained, None
+        if self.key_of is not None:  # the live (gathered) parameters → their keys
+            key = {p: self.key_of[(module, name)] for name, p in module.named_parameters(recurse=False)}
+            trained = {p for p, k in key.items() if k in self._trained}
         for p, kind, *data in pieces_of(module, inputs, self._examples_first(module, grad.detach()), trained):
             if kind == "factors" and _materialise_now(*data):
                 kind, data = "explicit", [_materialise(*data)]
-            self._pieces.setdefault(p if self.key_of is None else self.key_of(p), []).append((kind, *data))
+            self._pieces.setdefault(p if key is None else key[p], []).append((kind, *data))
 
     def _examples_first(self, module, t: torch.Tensor) -> torch.Tensor:
         """(B·r, ...) → (B, r, ...) for a module that sees r rows per example; other tensors as they are."""
@@ -252,8 +254,17 @@ class GhostClippingEngine:
 
     def clipped_sums(self, factors: dict[nn.Parameter, torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i factors[p]_i · G_i(p) for every tensor of `squared_norms()`, in float32 and p's shape."""
-        sums = {}
-        for p, pieces in self._pieces.items():
+        return dict(self.each_clipped_sum(factors))
+
+    def each_clipped_sum(self, factors: dict[nn.Parameter, torch.Tensor]):
+        """The clipped sums one tensor at a time, as (p, sum), in the order of `factors` (the same on every rank),
+        each formed when asked for and its pieces freed: a caller that folds each away (a sharded run
+        reduce-scatters it) never holds more than one full-size sum."""
+        unknown = [p for p in self._pieces if p not in factors]
+        if unknown:
+            raise ArgumentError(f"GhostClippingEngine: no clip factors for {len(unknown)} tensor(s) with a gradient.")
+        for p in [p for p in factors if p in self._pieces]:
+            pieces = self._pieces.pop(p)
             c = at_least_f32(factors[p])
             total = 0
             for kind, *data in pieces:
@@ -261,6 +272,6 @@ class GhostClippingEngine:
                     total = total + c @ data[0].reshape(len(c), -1)
                 else:
                     total = total + _weighted_sum(c, *data).reshape(-1)
-            sums[p] = total.view(p.shape)
+            del pieces
+            yield p, total.view(p.shape)
         self.clear()
-        return sums

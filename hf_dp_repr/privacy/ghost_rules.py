@@ -7,8 +7,8 @@ RMSNorm classes), `pieces(module, inputs, grad, trained)` and optionally `unsupp
 configuration of a matched module the rule cannot clip exactly) and `inputs(module, args, kwargs)` (what the
 forward hook keeps, when not the positional arguments). Rules are tried in registration order, first match wins;
 after them, Opacus' registered per-sample gradient rules (`GradSampleModule.GRAD_SAMPLERS`, exact type, including
-ours from `grad_samplers.py`). A module none matches is not supported: `clipping_engine="auto"` falls back to
-Opacus hooks with the reason, `"ghost"` refuses.
+ours from `grad_samplers.py`; an FSDP2-sharded `FSDP<Class>` by its own class, `sharding.base_type`). A module none
+matches is not supported: `clipping_engine="auto"` falls back to Opacus hooks with the reason, `"ghost"` refuses.
 
 `pieces` gets the module's inputs and the gradient of the loss with respect to its output, examples first, and
 returns, for the tensors in `trained`, items `(param, "factors", L, R)` (the per-example gradient is
@@ -58,6 +58,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..errors import NotPrivatizableError
 from .grad_samplers import opt_position_ids
+from .sharding import base_type
 
 
 def _supported(module: nn.Module) -> None:
@@ -100,7 +101,7 @@ def rule_for(module: nn.Module) -> GhostRule | None:
     for rule in GHOST_RULES:
         if rule.matches(module):
             return rule
-    return OPACUS_RULE if type(module) in GradSampleModule.GRAD_SAMPLERS else None
+    return OPACUS_RULE if base_type(module) in GradSampleModule.GRAD_SAMPLERS else None
 
 
 def unsupported(module: nn.Module) -> str | None:
@@ -223,7 +224,7 @@ def rms_norm_pieces(module, inputs, grad, trained):
 
 def opacus_pieces(module, inputs, grad, trained):
     """Small tensors (LayerNorm, ViT's embeddings ...): Opacus' registered rule for the module's exact type."""
-    rule = GradSampleModule.GRAD_SAMPLERS[type(module)]
+    rule = GradSampleModule.GRAD_SAMPLERS[base_type(module)]
     own = {p: p.requires_grad for p in module.parameters(recurse=False) if p in trained}
     try:  # the rules skip tensors with requires_grad=False: mark this module's trained ones for the call
         for p in own:
@@ -235,4 +236,4 @@ def opacus_pieces(module, inputs, grad, trained):
     return [(p, "explicit", at_least_f32(gs)) for p, gs in per_example.items()]
 
 
-OPACUS_RULE = GhostRule(lambda module: type(module) in GradSampleModule.GRAD_SAMPLERS, opacus_pieces)
+OPACUS_RULE = GhostRule(lambda module: base_type(module) in GradSampleModule.GRAD_SAMPLERS, opacus_pieces)

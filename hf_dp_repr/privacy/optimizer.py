@@ -53,15 +53,20 @@ class MicroBatchDPOptimizer(DPOptimizer):
         self.ghost = ghost
         self.reduction = reduction
 
-    def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None) -> None:
+    def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None, stand_in: bool = False) -> None:
         """Clip the per-sample gradients of the micro-batch just back-propagated, add them to the clipped sum
         and free them. A no-op after an empty micro-batch. With `unit_ids` (each row's unit), rows are summed
-        per unit first and each unit is clipped once (`_accumulate_units`; Opacus hooks only)."""
+        per unit first and each unit is clipped once (`_accumulate_units`; Opacus hooks only). `stand_in`: the
+        micro-batch was a stand-in row run only so that this rank joins the collectives of a sharded run (its own
+        micro-batch was empty): its clip factors are 0, it adds nothing."""
         if self.ghost is not None:
             if unit_ids is not None:  # the trainer falls back to hooks for units; never clip rows as units here
                 raise UnsupportedError("MicroBatchDPOptimizer: the ghost clipping engine clips rows; privacy units "
                                        "need the hooks engine (clipping_engine='hooks').")
-            return self._accumulate_from_ghost()
+            return self._accumulate_from_ghost(stand_in)
+        if stand_in:
+            raise UnsupportedError("MicroBatchDPOptimizer: stand-in rows (sharded runs) need the ghost clipping "
+                                   "engine.")
         missing = [p for p in self.params if getattr(p, "grad_sample", None) is None]
         if len(missing) == len(self.params):
             return
@@ -81,8 +86,10 @@ class MicroBatchDPOptimizer(DPOptimizer):
             "unused by the model's forward; freeze them (requires_grad=False) so DP-SGD does not train them."
         )
 
-    def _accumulate_from_ghost(self) -> None:
-        """The same clipping from the ghost engine's per-example norms (no per-example gradient held)."""
+    def _accumulate_from_ghost(self, stand_in: bool = False) -> None:
+        """The same clipping from the ghost engine's per-example norms (no per-example gradient held). Each tensor's
+        clipped sum is folded (`reduction.fold`: kept whole, or this rank's rows of it when sharded) as soon as it
+        is formed."""
         if not self.ghost.has_gradients():
             return
         norms = self.ghost.squared_norms()
@@ -90,9 +97,13 @@ class MicroBatchDPOptimizer(DPOptimizer):
         if missing:
             raise self._missing_error(missing)
         factors = self.clip_factors(torch.stack([norms[p] for p in self.params], dim=1).float().clamp(min=0).sqrt())
-        sums = self.ghost.clipped_sums({p: factors[:, j] for j, p in enumerate(self.params)})
-        for p in self.params:
-            p.summed_grad = sums[p] if p.summed_grad is None else p.summed_grad + sums[p]
+        if stand_in:
+            factors = torch.zeros_like(factors)
+        fold = getattr(self.reduction, "fold", None)
+        for p, total in self.ghost.each_clipped_sum({p: factors[:, j] for j, p in enumerate(self.params)}):
+            if fold is not None:
+                total = fold(p, total)
+            p.summed_grad = total if p.summed_grad is None else p.summed_grad + total
         self._drop_unclipped()
 
     def _drop_unclipped(self) -> None:
@@ -153,8 +164,7 @@ class MicroBatchDPOptimizer(DPOptimizer):
             self._close_units([self._open_unit[0]], self._open_unit[1])
             self._open_unit = None
         self._closed_units = set()
-        sums = [p.summed_grad if p.summed_grad is not None else torch.zeros(p.shape, device=p.device)
-                for p in self.params]
+        sums = [p.summed_grad if p.summed_grad is not None else _zero_sum(p) for p in self.params]
         grads = self.reduction(NoisySum(
             self.params, sums, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
             expected_batch_size=self.expected_batch_size, noise_generator=self.noise_generator,
@@ -165,3 +175,9 @@ class MicroBatchDPOptimizer(DPOptimizer):
         if self.step_hook:
             self.step_hook(self)
         return True
+
+
+def _zero_sum(p: torch.nn.Parameter) -> torch.Tensor:
+    """Nothing accumulated for p: zeros of what this process holds of it (its rows, when p is sharded)."""
+    held = p.to_local() if hasattr(p, "to_local") else p
+    return torch.zeros(held.shape, device=held.device)

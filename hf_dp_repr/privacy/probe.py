@@ -104,9 +104,13 @@ class ParameterUses(TorchFunctionMode):
         super().__init__()
         self.names = {p: name for name, p in model.named_parameters() if p.requires_grad}
         self.owners: dict[nn.Parameter, list[nn.Module]] = {}
+        self.slots = []
         for m in hooked_modules(model):
-            for p in m.parameters(recurse=False):
+            for attr, p in m.named_parameters(recurse=False):
                 self.owners.setdefault(p, []).append(m)
+                self.slots.append((m, attr, p))
+        # what each module holds now → the parameter it stands for (FSDP2 puts gathered copies on the modules)
+        self.live: dict[torch.Tensor, nn.Parameter] = {}
         self.running: dict[nn.Module, int] = {}
         self.outside: dict[str, str] = {}
         self._handles = []
@@ -124,14 +128,15 @@ class ParameterUses(TorchFunctionMode):
 
     def _enter(self, module, step):
         self.running[module] = self.running.get(module, 0) + step
+        self.live = {getattr(m, attr): p for m, attr, p in self.slots}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten((args, kwargs))[0]:
-            if (isinstance(t, nn.Parameter) and t in self.owners
-                    and not any(self.running.get(m) for m in self.owners[t])
+            p = self.live.get(t, t) if isinstance(t, nn.Parameter) else None
+            if (p in self.owners and not any(self.running.get(m) for m in self.owners[p])
                     and any(isinstance(o, torch.Tensor) and o.requires_grad for o in tree_flatten(out)[0])):
-                self.outside.setdefault(self.names[t], _op_name(func))
+                self.outside.setdefault(self.names[p], _op_name(func))
         return out
 
 

@@ -1,14 +1,19 @@
 """How the clipped sums of one logical step become the released gradient: summed over the processes, noised
 once, divided by the expected batch. A registry of strategies; `EngineOptions.reduction` picks one.
 
+A strategy is two functions: `fold(p, clipped_sum)`, what this process keeps of one micro-batch's clipped sum of p
+(called as soon as each is formed; default: all of it), and the step function, from what was kept to the released
+gradient of each parameter.
+
 "ddp" (every process holds every parameter whole: one process, or DDP): rank 0 adds N(0, σ²C²) to its clipped
 sum of each tensor, the sums are all-reduced and divided by the expected global batch L:
 
     grad = (Σ_ranks Σ_i clip_C(g_i) + N(0, σ²C²)) / L.
 
-Parameters sharded over the processes (FSDP2) need a sibling: reduce-scatter the sums, and each rank noises only
-the coordinates it owns, with `step.noise_generator(device, shard)` (a stream of the run's secret per step and
-shard). It is one registration; neither the engine nor the trainer changes.
+"fsdp2" (parameters sharded on dim 0 over the processes, `privacy.sharding`): each micro-batch's clipped sum is
+reduce-scattered (SUM) into the rank's rows at once (`fold`); at the step each rank adds N(0, σ²C²) to the rows it
+owns, from its own stream of the run's secret (`step.noise_generator(device, shard=rank)`), and divides by L. The
+rows of the ranks are disjoint and cover every coordinate: noise once per coordinate, as "ddp".
 
 Example (a strategy is a function of a `NoisySum`; this one is "ddp" written out for one process):
     >>> import torch
@@ -43,7 +48,7 @@ class NoisySum:
     """One logical step's inputs to a reduction strategy (this process's view)."""
 
     params: list[torch.nn.Parameter]
-    sums: list[torch.Tensor]  # this process's clipped sum of each parameter, float32, in `params` order
+    sums: list[torch.Tensor]  # what this process kept (`fold`) of each parameter's clipped sums, float32
     noise_multiplier: float  # σ of the current phase
     max_grad_norm: float  # C
     expected_batch_size: int  # L, the expected global logical batch of the current phase
@@ -58,14 +63,21 @@ class NoisySum:
 
 
 Reduction = Callable[[NoisySum], list[torch.Tensor]]  # the released gradient of each parameter (float32)
+Fold = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (p, a micro-batch's clipped sum) -> what is kept
 REDUCTIONS: dict[str, Reduction] = {}
 
 
-def register_reduction(name: str) -> Callable[[Reduction], Reduction]:
-    """Register a strategy under `name` (see the module docstring)."""
+def keep_whole(p: torch.nn.Parameter, clipped_sum: torch.Tensor) -> torch.Tensor:
+    return clipped_sum
+
+
+def register_reduction(name: str, fold: Fold = keep_whole) -> Callable[[Reduction], Reduction]:
+    """Register a strategy under `name`; `fold`: what a process keeps of each micro-batch's clipped sum (see the
+    module docstring). The step function gets it as its `fold` attribute."""
     def register(strategy: Reduction) -> Reduction:
         if name in REDUCTIONS:
             raise ArgumentError(f"reduction {name!r} is already registered.")
+        strategy.fold = fold
         REDUCTIONS[name] = strategy
         return strategy
     return register
@@ -91,4 +103,32 @@ def replicated(step: NoisySum) -> list[torch.Tensor]:
         if step.world_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         out.append(total / step.expected_batch_size)
+    return out
+
+
+# ---- parameters sharded by FSDP2 ------------------------------------------------------------------------------
+def own_rows(p: torch.nn.Parameter, clipped_sum: torch.Tensor) -> torch.Tensor:
+    """Reduce-scatter (SUM over the processes) a full-size clipped sum of the sharded p; this rank's rows of it."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = p.device_mesh
+    partial = DTensor.from_local(clipped_sum, mesh, [Partial()] * mesh.ndim, shape=p.shape, stride=p.stride())
+    return partial.redistribute(mesh, p.placements).to_local()
+
+
+@register_reduction("fsdp2", fold=own_rows)
+def sharded(step: NoisySum) -> list[torch.Tensor]:
+    """Each rank noises the rows it owns (its shard's stream of the step's secret), divides by L; DTensor gradients."""
+    from torch.distributed.tensor import DTensor
+
+    generator = None
+    if step.noise_multiplier > 0:
+        generator = step.noise_generator(step.params[0].device, shard=step.rank)
+    out = []
+    for p, rows in zip(step.params, step.sums):
+        if generator is not None and rows.numel():
+            rows = rows + _generate_noise(std=step.std, reference=rows, generator=generator,
+                                          secure_mode=step.secure_mode)
+        out.append(DTensor.from_local(rows / step.expected_batch_size, p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride()))
     return out

@@ -14,6 +14,7 @@ from transformers.models.vit.modeling_vit import ViTEmbeddings
 from .. import errors
 from .._moved import moved_attribute
 from ..errors import DataError
+from .sharding import base_type
 
 
 def check_model_is_privatizable(model: nn.Module) -> None:
@@ -31,7 +32,7 @@ def check_model_is_privatizable(model: nn.Module) -> None:
         trainable = any(p.requires_grad for p in module.parameters(recurse=False))
         if not trainable:
             continue
-        validator = ModuleValidator.VALIDATORS.get(type(module))
+        validator = ModuleValidator.VALIDATORS.get(base_type(module))  # FSDP<Class> → Class
         for err in validator(module) if validator else []:
             problems.append(f"{path} ({type(module).__name__}): {err}. Fix: "
                             "`opacus.validators.ModuleValidator.fix(model)`.")

@@ -61,8 +61,14 @@ _HUB = "pushes go through hf_dp_repr.hub's allow-list (weights, ledger, DP card,
 _NO_DDP_SYNC = ("no DDP gradient sync happens under DPTrainer: every micro-batch runs under no_sync, and the DP "
                 "optimizer all-reduces the clipped, noised sum itself")
 _SCRIPTS = "read by scripts, not by the Trainer"
-_SPLIT_MODEL = ("DP-SGD clips each example's whole gradient in one process: only data parallelism (a whole model per "
-                "process, DDP) is supported; use several processes with accelerate's multi-GPU/CPU configs")
+_SPLIT_MODEL = ("DP-SGD clips each example's whole gradient in one process: data parallelism (DDP) and FSDP2 "
+                "sharding (fsdp=True, fsdp_config={'fsdp_version': 2}: each process clips its own examples with the "
+                "gathered weights) are supported")
+DEEPSPEED_REASON = ("DeepSpeed owns the backward and the optimizer step: ZeRO reduces the gradient autograd forms in "
+                    "its own hooks into private partitioned buffers and may skip steps under loss scaling, while "
+                    "DP-SGD forms no unclipped gradient and must release exactly the clipped, noised sum. FSDP2 gives "
+                    "the same memory (ZeRO-3: reshard_after_forward=True, ZeRO-2: False) through public APIs: use "
+                    "fsdp=True, fsdp_config={'fsdp_version': 2}.")
 
 FIELDS: dict[str, Field] = {
     # ---- the run and its schedule ------------------------------------------------------------------------------
@@ -170,10 +176,12 @@ FIELDS: dict[str, Field] = {
     "ddp_static_graph": _irrelevant(_NO_DDP_SYNC),
     "parallelism_config": _refused(lambda v: v is None, "tensor, context or sharded parallelism split one "
                                    "example's computation across processes. " + _SPLIT_MODEL),
-    "fsdp": _refused(lambda v: not v, "FSDP shards parameters and gradients across processes. " + _SPLIT_MODEL),
-    "fsdp_config": _irrelevant("read only with fsdp, which is refused"),
-    "deepspeed": _refused(lambda v: v is None, "DeepSpeed owns the optimizer step and the gradients (ZeRO), "
-                          "bypassing per-example clipping and noise. " + _SPLIT_MODEL),
+    "fsdp": _honoured("DPTrainer shards the model with FSDP2 itself (training.sharding): each rank clips its own "
+                      "examples, clipped sums are reduce-scattered, noise is added once per coordinate; accelerate's "
+                      "FSDP plugin is never built. What cannot run sharded is refused there"),
+    "fsdp_config": _honoured("version 2, reshard_after_forward and transformer_layer_cls_to_wrap; every other key "
+                             "is refused (training.sharding.FSDP_CONFIG)"),
+    "deepspeed": _refused(lambda v: v is None, DEEPSPEED_REASON),
     # ---- logging and trackers ----------------------------------------------------------------------------------
     "logging_strategy": _honoured(_LOGS),
     "logging_steps": _honoured(_LOGS),

@@ -33,6 +33,7 @@ from .argument_checks import (
     validate_lp_fields,
 )
 from .argument_fields import check_refused_fields
+from .sharding import check_processes, sharding_request
 
 CLIPPING_ENGINES = ("auto", *CLIPPERS)  # "ghost", "hooks": privacy.clippers
 
@@ -236,6 +237,9 @@ class DPTrainingArguments(TrainingArguments):
         join_cpu_processes()  # before the Trainer's arguments set up accelerate: several processes are one run
         super().__post_init__()
         check_one_run(self.world_size)
+        if sharding_request(self) is not None:  # DPTrainer shards the model itself (training.sharding)
+            check_processes(self)
+            self.fsdp_plugin_args = None  # accelerate never builds its FSDP plugin
         check_report_to(self)  # after the Trainer made report_to a list
         _validate_activation_checkpointing(self)  # after the Trainer resolves gradient_checkpointing* aliases
 
@@ -311,6 +315,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
                          "unguessable; drop one of them.")
     check_hub_strategy(args)
     check_refused_fields(args)  # the Trainer's own options that DP-SGD cannot honour (trainer_fields.FIELDS)
+    sharding_request(args)  # fsdp / fsdp_config and accelerate's FSDP/DeepSpeed switches (training.sharding)
 
 
 def _validate_activation_checkpointing(args: DPTrainingArguments) -> None:

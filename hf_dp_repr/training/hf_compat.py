@@ -10,7 +10,8 @@ ran on (setup.cfg pins it). The public overrides (`get_train_dataloader`, `creat
 Example:
     >>> from hf_dp_repr.training.hf_compat import PRIVATE_OVERRIDES
     >>> sorted(m.name for m in PRIVATE_OVERRIDES if m.owner == "DPTrainer")
-    ['_get_output_dir', '_load_best_model', '_load_from_checkpoint', '_push_from_checkpoint', '_save_checkpoint']
+    ['_get_output_dir', '_load_best_model', '_load_from_checkpoint', '_load_optimizer_and_scheduler',
+     '_push_from_checkpoint', '_save_checkpoint', '_save_optimizer_and_scheduler']
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ PRIVATE_OVERRIDES = (
     PrivateMember("_push_from_checkpoint", ("self", "checkpoint_folder"), "_save_checkpoint",
                   "self._push_from_checkpoint(output_dir)",
                   "hub_strategy='every_save' pushes through the allow-list, never the Trainer's push", "DPTrainer"),
+    PrivateMember("_save_optimizer_and_scheduler", ("self", "output_dir"), "_save_checkpoint",
+                  "self._save_optimizer_and_scheduler(output_dir)",
+                  "sharded (fsdp): the full optimizer state gathered and written by rank 0 (the Trainer's would "
+                  "hold rank 0's shards only)", "DPTrainer"),
+    PrivateMember("_load_optimizer_and_scheduler", ("self", "checkpoint"), "_prepare_for_training",
+                  "self._load_optimizer_and_scheduler(resume_from_checkpoint)",
+                  "sharded (fsdp): the full optimizer state read by rank 0 and broadcast into the shards", "DPTrainer"),
     PrivateMember("_set_signature_columns_if_needed", ("self",), "_remove_unused_columns",
                   "self._set_signature_columns_if_needed()",
                   "audit.dirac: keep the canary column the model's forward does not take", "DiracCanaryTrainer"),
@@ -71,6 +79,13 @@ PRIVATE_USED = (
     PrivateMember("_hp_search_setup", ("self", "trial"), "train", "self._hp_search_setup(trial)",
                   "tuning.search sets each trial's arguments from hp_space (called here), before the training "
                   "dataloader gives the trial's model its head_init and scope"),
+    PrivateMember("_save", ("self", "output_dir", "state_dict"), "save_model", "self._save(output_dir",
+                  "sharded (fsdp): rank 0 writes the gathered full state dict as the Trainer writes a model"),
+    PrivateMember("_defer_fsdp_gradient_reduction", ("self",), "_run_epoch",
+                  "sync_context = self._defer_fsdp_gradient_reduction",
+                  "sharded (fsdp): the Trainer enters it between micro-batches of a model marked sharded at load "
+                  "time; it reads config.distributed_config, which training.sharding sets (no gradient is reduced: "
+                  "DP-SGD forms none)"),
     PrivateMember("_get_num_items_in_batch", ("self", "batch_samples", "device"), "get_batch_samples",
                   "self._get_num_items_in_batch(batch_samples, device)",
                   "counts nothing when model_accepts_loss_kwargs is False and no compute_loss_func is set (DPTrainer "
@@ -84,6 +99,17 @@ ATTRIBUTES = (
     ("push_in_progress", "the running Hub push, waited for before copying files"),
     ("current_gradient_accumulation_steps", "the training loss reported per micro-batch"),
     ("_signature_columns", "audit.dirac appends the canary column"),
+    ("is_distributed_loading_by_transformers", "read from the model's mark (training.sharding sets it on a model it "
+     "shards): no DDP wrap, no second sharding, the sharded parameters given to the optimizer, every rank in saves"),
+)
+
+# Arguments hidden from `Trainer.__init__` alone for a sharded run (training.sharding.trainer_init): (field, the text of
+# the read in __init__, why). tests/test_sharding.py checks each is read there and by no other Trainer method.
+HIDDEN_READS = (
+    ("fsdp", "if args.fsdp:", "else 'Using fsdp only works in distributed training' (a 1-process test group) and the "
+     "fsdp/deepspeed clash, which DPTrainer refuses itself"),
+    ("save_only_model", "and not args.save_only_model", "else 'Resuming is not supported for models sharded at load "
+     "time': DPTrainer checkpoints and restores a sharded run's optimizer itself"),
 )
 
 # The order of the Trainer's loop that DPTrainer relies on: in `method`'s source, each text appears after the one

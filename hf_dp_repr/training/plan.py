@@ -81,11 +81,13 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
     )
 
 
-def engine_options(args: DPTrainingArguments) -> EngineOptions:
-    """How the run's `DPEngine` runs: the arguments that do not change ε (so are not in the plan)."""
+def engine_options(args: DPTrainingArguments, sharded: bool = False) -> EngineOptions:
+    """How the run's `DPEngine` runs: the arguments that do not change ε (so are not in the plan); `sharded`: the
+    model is sharded by FSDP2 (the "fsdp2" reduction)."""
     return EngineOptions(clipping_engine=args.clipping_engine, secure_mode=args.secure_mode,
                          max_rows_per_unit=args.max_rows_per_unit,
-                         micro_batches_per_step=args.gradient_accumulation_steps, rank=args.process_index)
+                         micro_batches_per_step=args.gradient_accumulation_steps, rank=args.process_index,
+                         reduction="fsdp2" if sharded else "ddp")
 
 
 def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int, saved_args: dict | None = None,

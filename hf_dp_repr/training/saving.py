@@ -29,6 +29,7 @@ class DPSavingMixin:
     """Saving, loading and Hub pushes of `DPTrainer` (expects `self.ledger` and the Trainer's attributes)."""
 
     _spent_dir: str | None = None  # where privacy_spent.json is kept up to date (when a resume can need it)
+    sharded = False  # FSDP2: saves and loads are collectives, written by rank 0 (`training.sharded_checkpoint`)
 
     def __init__(self, *args, **kwargs):
         """output_dir is checked writable now, not at the first save after training; the Trainer's `__init__`
@@ -63,16 +64,45 @@ class DPSavingMixin:
         # transformers' own loader misses renamed keys (ViT) with a mere warning: restore exactly, or refuse.
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_checkpoint_weights(self.model, resume_from_checkpoint)
+        self._load_weights(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return super()._load_best_model()
         logger.info(f"Loading best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric}).")
-        load_checkpoint_weights(self.model, self.state.best_model_checkpoint)
+        self._load_weights(self.state.best_model_checkpoint)
+
+    def _load_weights(self, checkpoint: str) -> None:
+        if self.sharded:
+            from .sharded_checkpoint import load_sharded_weights
+
+            return load_sharded_weights(self.model, checkpoint)
+        load_checkpoint_weights(self.model, checkpoint)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.sharded:  # the Trainer's optimizer.pt of a sharded model would hold rank 0's shards only
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from .sharded_checkpoint import save_sharded_optimizer
+
+        save_sharded_optimizer(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self.sharded or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from .sharded_checkpoint import load_sharded_optimizer
+
+        load_sharded_optimizer(self, checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call=_internal_call)
+        """As the Trainer's; a sharded model is gathered (every rank must call it) and written by rank 0."""
+        if self.sharded:
+            from .sharded_checkpoint import save_sharded_model
+
+            save_sharded_model(self, output_dir or self.args.output_dir)
+            if self.args.push_to_hub and not _internal_call:  # as the Trainer's save_model
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        else:
+            super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:  # peft records the base model's local path; it must not be pushed
             from ..hub.public_names import public_adapter_config
 
@@ -219,6 +249,12 @@ class DPSavingMixin:
         from ..privacy.attributes import clear_dp_attributes
         from ..scope.lora import is_peft_model, merged_copy
 
+        if self.sharded:
+            from ..errors import UnsupportedError
+
+            raise UnsupportedError("DPTrainer.save_merged_model: not for a sharded (fsdp) run; save_model() saves the "
+                                   "adapters, which peft merges later (PeftModel.from_pretrained(base, folder)"
+                                   ".merge_and_unload()), with the same ledger and card.")
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)

@@ -41,6 +41,7 @@ from ..privacy.loss import is_causal_lm, per_example_loss
 from ..privacy.probe import probe_training_rows
 from ..privacy.randomness import DPRandomness
 from ..privacy.sampler import UNIT_KEY, ExampleBatchCollator, SamplerEpochCallback
+from ..privacy.sharding import is_sharded
 from ..privacy.units import ROW, UnitRowsDataset, column_values, unit_rows
 from ..privacy.validation import check_model_is_privatizable, check_train_dataset
 from ..scope.cached_head import set_probe_modes
@@ -61,6 +62,7 @@ from .report import DPPrivacyReportMixin, announce_plan, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
 from .search import DPSearchMixin
+from .sharding import check_trainer, shard_for_training, trainer_init
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
@@ -107,8 +109,12 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         if model is not None:
             check_model_is_privatizable(model)
             init_head(model, args.head_init)
+        model = shard_for_training(model, args, logger)  # fsdp, or a model sharded at load (training.sharding)
+        self.sharded = is_sharded(model)
         self._set_scopes(model, args)
-        super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        with trainer_init(args, self.sharded):
+            super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        check_trainer(self)
         # DP-SGD sums per-example losses itself: the Trainer must not count the batch's items (`hf_compat`)
         self.model_accepts_loss_kwargs = False
         self.model_card_info = ModelCardInfo.from_value(model_card_info)  # written by model_card.write_model_card
@@ -173,13 +179,16 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
                 init_head(self.model, self.args.head_init)
             self._set_scopes(self.model, self.args)
         units = self._unit_rows is not None
-        if not self.features.ready:
-            self.features.prepare(self.model, [] if units else self._scopes, self.args, self.train_dataset,
-                                  self._train_dataset_and_collator)
+        if not self.features.ready:  # (sharded: none; cached parts would run outside the sharded root's forward)
+            self.features.prepare(self.model, [] if units or self.sharded else self._scopes, self.args,
+                                  self.train_dataset, self._train_dataset_and_collator)
         dataset, collator = self.features.train_inputs(self._train_dataset_and_collator)
+        if self.sharded:  # a rank whose micro-batch is empty runs this row, clip factor 0, to join the collectives
+            self._stand_in = ExampleBatchCollator(collator)([dataset[0]])
         if self.engine is None:  # the run's secret is drawn now: fresh for every train()
             randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
-            self.engine = DPEngine(self.privacy_plan(), engine_options(self.args), randomness, log=logger)
+            self.engine = DPEngine(self.privacy_plan(), engine_options(self.args, self.sharded), randomness,
+                                   log=logger)
         cached = self.features.cached_head is not None
         sampler = self.engine.batch_sampler(self._unit_rows[0] if units and not cached else None)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
@@ -277,7 +286,10 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self._sync_phase()
-        if not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
+        stand_in = not inputs and self.sharded
+        if stand_in:
+            inputs = dict(self._stand_in)
+        elif not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
             return torch.zeros((), device=self.args.device)
         model.train()
         scope = self._scopes[min(self.engine.phase, len(self._scopes) - 1)] if self._scopes else None
@@ -306,7 +318,9 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
                     outputs = model(**inputs)
                 losses = self.per_example_loss(outputs, labels)
             self.accelerator.backward(losses.sum())
-        self.engine.after_backward(unit_ids)
+        self.engine.after_backward(unit_ids, stand_in)
+        if stand_in:
+            return torch.zeros((), device=self.args.device)
         return losses.detach().mean() / self.current_gradient_accumulation_steps
 
     # ---- run, log, save -------------------------------------------------------------------------------

@@ -1,0 +1,258 @@
+"""Sharded DP-SGD (FSDP2; issue 25): `DPTrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})`.
+
+Fast, in this process: every refusal (FSDP1, offload, accelerate's FSDP and DeepSpeed switches, deepspeed=, the hooks
+engine, privacy units, one process without a process group, torch < 2.9) raises a typed error before any work and
+writes nothing; `base_type` unwraps FSDP classes; DPTrainer over a 1-rank process group trains a sharded model (every
+parameter a DTensor, no DDP wrap) to the weights of the unsharded run.
+
+Slow, ONE launch of 2 gloo processes (tests/sharded_worker.py writes results.json; timeout: a lost collective fails
+instead of hanging): σ = 0 updates equal the brute-force clipped sum (GPT-2 tied, Llama, ViT, LoRA, linear probe;
+flat, per_layer, automatic; accumulation; an empty micro-batch on a rank), noise std σC/L per coordinate, one example
+moves the update by C/L at most, DPTrainer end to end with checkpoints and an exact resume, and the 1-process and
+2-process runs equal with noise off."""
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_dp_repr import DPTrainingArguments
+from hf_dp_repr.errors import DPConfigError, ProcessGroupError
+from hf_dp_repr.training.hf_compat import HIDDEN_READS
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+V2 = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}  # copied before use: transformers edits fsdp_config in place
+
+
+def _args(tmp_path, **kw):
+    return DPTrainingArguments(output_dir=str(tmp_path / "never"), target_epsilon=1.0, report_to="none", **kw)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-process gloo group in this process (what a sharded run needs), destroyed after the test with accelerate's
+    state that it set up."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+
+
+# ---- refusals: typed, before any work, nothing written ------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, env, error, match", [
+    ({"fsdp": True, "fsdp_config": {"fsdp_version": 1}}, {}, DPConfigError, r"version 1 \(FSDP1"),
+    ({"fsdp": "full_shard offload", "fsdp_config": {"fsdp_version": 2}}, {}, DPConfigError, "'offload' is not"),
+    ({**V2, "fsdp_config": {"fsdp_version": 2, "cpu_offload": True}}, {}, DPConfigError, "cpu_offload=True"),
+    ({}, {"ACCELERATE_USE_FSDP": "true"}, DPConfigError, "ACCELERATE_USE_FSDP=true .*fsdp_version': 2"),
+    ({}, {"ACCELERATE_USE_DEEPSPEED": "true"}, DPConfigError, "ACCELERATE_USE_DEEPSPEED=true .* use fsdp=True"),
+    ({"deepspeed": {"zero_optimization": {"stage": 3}}}, {}, DPConfigError, "deepspeed=.* DeepSpeed owns the backward"),
+    ({**V2, "clipping_engine": "hooks"}, {}, DPConfigError, "clipping_engine='hooks'.* Use clipping_engine='ghost'"),
+    ({**V2, "privacy_unit": "user", "max_rows_per_unit": 2}, {}, DPConfigError, "privacy_unit='user'.* or without"),
+    (V2, {}, ProcessGroupError, "runs alone.*accelerate_configs"),
+])
+def test_what_cannot_run_sharded_is_refused_before_any_work(kwargs, env, error, match, tmp_path, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(error, match=match):
+        _args(tmp_path, **copy.deepcopy(kwargs))
+    assert not (tmp_path / "never").exists()
+
+
+def test_torch_without_a_correct_gloo_reduce_scatter_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    with pytest.raises(DPConfigError, match=r"needs torch >= 2\.9; this is torch 2\.8\.0\+cpu: .*#162338"):
+        _args(tmp_path, **copy.deepcopy(V2))
+    assert not (tmp_path / "never").exists()
+    _args(tmp_path)  # unsharded runs do not care
+
+
+# Trainer methods that read a field DPTrainer hides from Trainer.__init__ (training.hf_compat.HIDDEN_READS), besides
+# __init__: create_accelerator_and_postprocess runs inside __init__ (its save_only_model checks apply to accelerate's
+# FSDP/DeepSpeed plugins, refused here); _save_checkpoint reads the user's value again (the optimizer is saved).
+OTHER_READERS = {"fsdp": set(), "save_only_model": {"create_accelerator_and_postprocess", "_save_checkpoint"}}
+
+
+@pytest.mark.parametrize("field, text, why", HIDDEN_READS)
+def test_the_fields_hidden_from_trainer_init_are_read_there_and_nowhere_unexpected(field, text, why):
+    import inspect
+    import re
+
+    from transformers import Trainer
+
+    assert text in inspect.getsource(Trainer.__init__), (field, why)
+    readers = {name for name, f in inspect.getmembers(Trainer, inspect.isfunction)
+               if re.search(rf"args\.{field}\b", inspect.getsource(f))}
+    assert readers - {"__init__"} == OTHER_READERS[field], (field, why)
+
+
+def test_base_type_sees_through_fsdp_classes(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_dp_repr.privacy.sharding import base_type
+
+    norm = torch.nn.LayerNorm(4)
+    fully_shard(norm)
+    assert type(norm).__name__ == "FSDPLayerNorm" and base_type(norm) is torch.nn.LayerNorm
+
+
+def test_dp_trainer_shards_the_model_itself_and_trains_it_as_unsharded(one_rank_group, tmp_path):
+    """Over a 1-rank group: DPTrainer shards (DTensors, no DDP), the ghost engine and the 'fsdp2' reduction run
+    (LP→FT, empty micro-batches) and give the weights of the same run unsharded (σ = 0)."""
+    from torch.distributed.tensor import DTensor
+
+    sys.path.insert(0, TESTS)
+    from sharded_runs import vit_lp_then_ft
+
+    trainer, weights = vit_lp_then_ft(tmp_path / "sharded", 1, sharded=True)
+    assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
+    assert type(trainer.model_wrapped).__name__ == "FSDPViTForImageClassification"
+    assert trainer.engine.options.reduction == "fsdp2" and trainer.engine.clipping_engine == "ghost"
+    _, plain = vit_lp_then_ft(tmp_path / "plain", 1, sharded=False)
+    from hf_dp_repr.tiny import tiny_vit
+
+    start = dict(tiny_vit(seed=0).named_parameters())
+    assert max((plain[n] - start[n]).abs().max().item() for n in plain) > 1e-3  # it trained
+    for name in plain:
+        torch.testing.assert_close(weights[name], plain[name], rtol=1e-5, atol=1e-7)
+
+
+# ---- 2 processes: one launch -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(TESTS, "sharded_worker.py"), str(out)]
+    # A session of its own: on a timeout (a lost collective) the launcher AND its workers are killed.
+    launch = subprocess.Popen(cmd, cwd=TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        log, _ = launch.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        log, _ = launch.communicate()
+        pytest.fail("the 2-process launch did not finish in 300 s (a collective lost?):\n" + log[-5000:])
+    assert launch.returncode == 0, log[-8000:]
+    with open(out / "results.json") as f:
+        return json.load(f), out
+
+
+@pytest.mark.slow
+def test_two_processes_sigma_0_updates_equal_the_brute_force_clipped_sum(two_processes):
+    results, _ = two_processes
+    assert results["world_size"] == 2
+    for kind, found in {**results["exact"], **{f"gpt2 {m}": r for m, r in results["modes"].items()}}.items():
+        assert found["rel_err"] <= 1e-5, (kind, found)
+        assert found["all_dtensor"] and found["grads_after_backward"] == 0, kind  # no unclipped gradient formed
+    assert results["exact"]["gpt2"]["tied"]
+    assert "classifier.weight" in results["exact"]["vit"]["uneven"]  # 3 rows over 2 ranks
+    assert results["exact"]["gpt2_lora"]["tensors"] == 4 and results["exact"]["vit_lp"]["tensors"] == 2
+    for kind, found in results["float64"].items():
+        assert found["rel_err"] <= (1e-7 if kind == "llama" else 1e-12), kind  # LlamaRMSNorm computes in float32
+
+
+@pytest.mark.slow
+def test_two_processes_noise_is_sigma_c_per_coordinate_once(two_processes):
+    noise = two_processes[0]["noise"]
+    assert 0.95 <= noise["std_ratio"] <= 1.05 and 0.95 <= noise["own_rows_std_ratio"] <= 1.05  # not √2×, not 0
+    assert not noise["ranks_share_noise"] and noise["coordinates"] > 10_000
+    assert 0.9 <= two_processes[0]["one_example"]["diff_norm_over_C"] <= 1 + 1e-5  # clipped, not dropped
+
+
+@pytest.mark.slow
+def test_two_processes_dp_trainer_checkpoints_and_resume(two_processes):
+    results, out = two_processes
+    run = results["trainer"]
+    assert run["all_dtensor"] and run["tied"] and run["reduction"] == "fsdp2"
+    assert run["wrapped"] == "FSDPGPT2LMHeadModel"  # not DistributedDataParallel
+    assert run["saved_max_diff"] == 0.0 and not run["distributed_config_saved"]  # a plain HF model, whole
+    assert run["optimizer_full"]  # every tensor's state at full shape, not rank 0's shards
+    assert {"model.safetensors", "optimizer.pt", "privacy_ledger.json", "README.md"} <= set(run["files"])
+    assert run["resume_max_diff"] == 0.0 and run["resume_epsilon"] == run["epsilon"]
+    assert results["lora"]["resume_max_diff"] == 0.0 and results["lora"]["adapter_shapes_full"]
+    assert results["loaded_sharded"]["all_dtensor"] and results["loaded_sharded"]["reduction"] == "fsdp2"
+    assert results["lp_ft"]["empty_micro_batches"] > 0 and results["lp_ft"]["phases"] == ["linear_probe", "fine_tune"]
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_give_the_same_weights_with_noise_off(two_processes, one_rank_group, tmp_path):
+    sys.path.insert(0, TESTS)
+    from sharded_runs import vit_lp_then_ft
+
+    two = torch.load(two_processes[1] / "vit_lp_ft.pt", weights_only=True)
+    _, one = vit_lp_then_ft(tmp_path / "one", 1, sharded=True)
+    for name in two:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_sharded_run_pushes_a_plain_model_its_ledger_and_card(one_rank_group, tmp_path, digits, hub):
+    from huggingface_hub import HfApi, ModelCard
+    from torch.distributed.tensor import DTensor
+    from transformers import ViTForImageClassification
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.tiny import tiny_vit
+
+    repo = "someone/dp-sharded"
+    args = DPTrainingArguments(output_dir=str(tmp_path / "run"), noise_multiplier=0.55, target_delta=1e-4, max_steps=1,
+                               per_device_train_batch_size=16, report_to="none", save_strategy="no", disable_tqdm=True,
+                               push_to_hub=True, hub_model_id=repo, **copy.deepcopy(V2))
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
+    trainer.train()
+    trainer.push_to_hub()
+    files = set(HfApi().list_repo_files(repo))
+    assert {"README.md", "config.json", "model.safetensors", "privacy_ledger.json"} <= files
+    assert not files & {"optimizer.pt", "training_args.bin", "trainer_state.json"}
+    pushed = ViTForImageClassification.from_pretrained(repo)  # a plain HF model, whole
+    live = {n: p.full_tensor() for n, p in trainer.model.named_parameters() if isinstance(p, DTensor)}
+    assert len(live) == len(dict(pushed.named_parameters()))
+    for name, p in pushed.named_parameters():
+        assert torch.equal(p, live[name]), name
+    assert "differential-privacy" in ModelCard.load(repo).data.tags
+
+
+def test_a_model_the_ghost_engine_cannot_clip_is_refused_before_it_is_sharded(one_rank_group, tmp_path, digits):
+    from torch.distributed.tensor import DTensor
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.tiny import tiny_vit
+
+    model = tiny_vit()
+    model.gradient_checkpointing_enable()  # on the model, not in the arguments (those are refused earlier)
+    args = DPTrainingArguments(output_dir=str(tmp_path / "never"), target_epsilon=1.0, report_to="none",
+                               **copy.deepcopy(V2))
+    with pytest.raises(DPConfigError, match="cannot clip this model exactly: gradient checkpointing.*without fsdp"):
+        DPTrainer(model=model, args=args, train_dataset=digits["train"])
+    assert not any(isinstance(p, DTensor) for p in model.parameters()) and not (tmp_path / "never").exists()
+
+
+def test_a_sharded_resume_from_a_checkpoint_missing_a_tensor_is_refused(one_rank_group, tmp_path, digits):
+    from safetensors.torch import load_file, save_file
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.errors import CheckpointMismatchError
+    from hf_dp_repr.tiny import tiny_vit
+
+    def trainer():
+        args = DPTrainingArguments(output_dir=str(tmp_path / "run"), noise_multiplier=0.55, target_delta=1e-4,
+                                   max_steps=2, per_device_train_batch_size=16, report_to="none",
+                                   save_strategy="steps", save_steps=1, disable_tqdm=True, **copy.deepcopy(V2))
+        return DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"])
+
+    trainer().train()
+    weights = tmp_path / "run" / "checkpoint-1" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["classifier.bias"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatchError, match="classifier.bias"):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
