@@ -18,7 +18,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The inner loop: the suite without the tests marked slow.
 test-fast: $(STAMP)
