@@ -109,7 +109,6 @@ def test_dp_trainer_shards_the_model_itself_and_trains_it_as_unsharded(one_rank_
     (LP→FT, empty micro-batches) and give the weights of the same run unsharded (σ = 0)."""
     from torch.distributed.tensor import DTensor
 
-    sys.path.insert(0, TESTS)
     from sharded_runs import vit_lp_then_ft
 
     trainer, weights = vit_lp_then_ft(tmp_path / "sharded", 1, sharded=True)
@@ -186,7 +185,6 @@ def test_two_processes_dp_trainer_checkpoints_and_resume(two_processes):
 
 @pytest.mark.slow
 def test_one_and_two_processes_give_the_same_weights_with_noise_off(two_processes, one_rank_group, tmp_path):
-    sys.path.insert(0, TESTS)
     from sharded_runs import vit_lp_then_ft
 
     two = torch.load(two_processes[1] / "vit_lp_ft.pt", weights_only=True)
