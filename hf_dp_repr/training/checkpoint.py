@@ -142,17 +142,25 @@ def _really_missing(model: nn.Module, missing: set[str], slots) -> set[str]:
 
 
 # ---- PEFT adapters ----------------------------------------------------------------------------------------
-def _load_adapter(model, checkpoint: str) -> None:
-    from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
+def read_adapter_weights(model, checkpoint: str) -> tuple[str, str, dict]:
+    """(the active adapter, its folder in `checkpoint`, its saved tensors), or CheckpointMismatchError naming the
+    folder."""
+    from peft.utils import load_peft_weights
 
     adapter = model.active_adapters[0]
     folder = checkpoint if adapter == "default" else os.path.join(checkpoint, adapter)
     try:
-        weights = load_peft_weights(folder, device="cpu")
+        return adapter, folder, load_peft_weights(folder, device="cpu")
     except (OSError, ValueError) as e:
         raise errors.CheckpointMismatchError(f"DPTrainer: no weights of adapter {adapter!r} in {folder} ({e}); resume "
                                              "only from checkpoints written by DPTrainer with the same peft_config."
                                              ) from None
+
+
+def _load_adapter(model, checkpoint: str) -> None:
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    adapter, folder, weights = read_adapter_weights(model, checkpoint)
     expected = get_peft_model_state_dict(model, adapter_name=adapter)
     problems = {
         "missing from the checkpoint (left untouched)": sorted(set(expected) - set(weights)),

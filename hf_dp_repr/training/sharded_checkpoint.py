@@ -111,18 +111,11 @@ def _read_exactly(model, checkpoint: str) -> dict[str, torch.Tensor]:
 def _read_adapter(model, checkpoint: str) -> dict[str, torch.Tensor]:
     """The active adapter's saved tensors (named without the adapter, as peft saves them) under the model's names;
     exactly those peft would save now, of the same shapes, or CheckpointMismatchError."""
-    from peft.utils import get_peft_model_state_dict, load_peft_weights
+    from peft.utils import get_peft_model_state_dict
 
-    from .checkpoint import _raise_if_any
+    from .checkpoint import _raise_if_any, read_adapter_weights
 
-    adapter = model.active_adapters[0]
-    folder = checkpoint if adapter == "default" else os.path.join(checkpoint, adapter)
-    try:
-        weights = load_peft_weights(folder, device="cpu")
-    except (OSError, ValueError) as e:
-        raise errors.CheckpointMismatchError(f"DPTrainer: no weights of adapter {adapter!r} in {folder} ({e}); resume "
-                                             "only from checkpoints written by DPTrainer with the same peft_config."
-                                             ) from None
+    adapter, folder, weights = read_adapter_weights(model, checkpoint)
     saved_names = set(get_peft_model_state_dict(model, adapter_name=adapter))
     live = {name.replace(f".{adapter}", ""): name for name in model.state_dict() if
             name.replace(f".{adapter}", "") in saved_names}
