@@ -80,3 +80,20 @@ def test_the_secret_is_stored_nowhere(digits, tmp_path):
             written += 1
             assert not any(s.encode() in data for s in secrets), name
     assert written >= 5
+
+
+def test_each_shard_noise_stream_is_its_own():
+    """Sharded runs: each rank noises its rows from a stream of its own, none of which replays the unsharded step's
+    stream (keying shard 0 as (noise, step, 0) would: numpy's SeedSequence ignores a trailing 0) or another step's."""
+    from hf_dp_repr.privacy.randomness import DPRandomness
+
+    randomness = DPRandomness(None)
+
+    def draw(step, shard=None):
+        return torch.randn(64, generator=randomness.noise_generator(step, shard=shard))
+
+    streams = [draw(3), draw(3, 0), draw(3, 1), draw(4, 0), draw(0, 3)]
+    for i, a in enumerate(streams):
+        for b in streams[i + 1:]:
+            assert not torch.equal(a, b)
+    assert torch.equal(draw(3, 1), draw(3, 1))  # one stream per (step, shard) within a run
