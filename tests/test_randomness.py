@@ -82,12 +82,14 @@ def test_the_secret_is_stored_nowhere(digits, tmp_path):
     assert written >= 5
 
 
-def test_each_shard_noise_stream_is_its_own():
+@pytest.mark.parametrize("noise_seed", [None, 7])
+def test_each_shard_noise_stream_is_its_own(noise_seed):
     """Sharded runs: each rank noises its rows from a stream of its own, none of which replays the unsharded step's
-    stream (keying shard 0 as (noise, step, 0) would: numpy's SeedSequence ignores a trailing 0) or another step's."""
+    stream or another step's (keying shard 0 as (noise, step, 0) would replay it for a small secret, e.g. a
+    noise_seed: numpy's SeedSequence gives [s, 1, 3, 0] and [s, 1, 3] the same state)."""
     from hf_dp_repr.privacy.randomness import DPRandomness
 
-    randomness = DPRandomness(None)
+    randomness = DPRandomness(noise_seed)
 
     def draw(step, shard=None):
         return torch.randn(64, generator=randomness.noise_generator(step, shard=shard))
