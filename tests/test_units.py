@@ -239,6 +239,27 @@ def test_ghost_norms_and_clipped_sum_of_units_equal_a_per_unit_brute_force(kind)
     engine.remove()
 
 
+@pytest.mark.parametrize("tokens", [2, 16, 40])
+def test_grouped_norms_of_a_linear_map_from_grams_from_unit_gradients_or_from_row_gradients(tokens):
+    """Linear 64→64 (p·q = 4096), units of up to m = 3 rows of T tokens: T = 2, Grams of the units' m·T tokens; T = 16,
+    each unit's gradient formed (m·T·(p+q) ≥ p·q > T·(p+q)); T = 40, rows' gradients formed in the backward."""
+    from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64).double()
+    x = torch.randn(len(UNIT_OF_ROW), tokens, 64, dtype=torch.float64)
+    engine = GhostClippingEngine(layer)
+    with engine.recording(len(x)):
+        layer(x).pow(2).sum().backward()
+    _, groups = torch.unique(UNIT_OF_ROW, return_inverse=True)
+    norms = engine.squared_norms(groups)
+    assert (layer.weight in engine.explicit) == (tokens == 40)
+    for p in (layer.weight, layer.bias):
+        rows = [torch.autograd.grad(layer(x[i]).pow(2).sum(), p)[0] for i in range(len(x))]
+        want = torch.stack([sum(g for g, u in zip(rows, groups) if u == unit).pow(2).sum() for unit in range(3)])
+        assert relative([norms[p]], [want]) <= 1e-10
+
+
 @pytest.mark.parametrize("kind, mode", [("gpt2", "flat"), ("gpt2", "per_layer"), ("vit", "automatic")])
 def test_dp_optimizer_clips_whole_units_with_the_ghost_engine(kind, mode):
     """MicroBatchDPOptimizer(whole_units=True), as sharded runs make it: each unit clipped once by the clipping mode

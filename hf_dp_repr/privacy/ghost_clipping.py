@@ -283,6 +283,11 @@ class GhostClippingEngine:
                 raise UnsupportedError("GhostClippingEngine: grouped norms need a dense right factor (its zero padding "
                                        "cancels the padded tokens).")
             factored = [(kind, regroup(left), regroup(right)) for kind, left, right in factored]
+            if groups is not None and all(_materialise_now(left, right) for _, left, right in factored):
+                # a group's T is m·T: its gradient (G, p·q) is then smaller than its Grams (G, (m·T)²); formed for
+                # the norm only (the clipped sums stay book-kept per row)
+                norms[p] = sum(_materialise(left, right) for _, left, right in factored).pow(2).sum(1)
+                continue
             norm = 0
             for u, (_, lu, ru) in enumerate(factored):  # Σ over pairs of uses, cross terms twice
                 for v in range(u, len(factored)):
