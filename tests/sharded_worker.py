@@ -101,31 +101,33 @@ def rel_err(got: dict, ref: dict) -> float:
     return err / max(r.abs().max().item() for r in ref.values())
 
 
-def plan_for(sigma, clip_norm, mode, batch_size, steps=1):
+def plan_for(sigma, clip_norm, mode, batch_size, steps=1, unit="row"):
     return PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=clip_norm, clipping=mode,
                        dataset_size=10 * batch_size, poisson_sampling=True, world_size=W, randomness="seeded",
-                       phases=[Phase("train", sigma, 0.1, steps, batch_size)])
+                       phases=[Phase("train", sigma, 0.1, steps, batch_size)], privacy_unit=unit)
 
 
-def engine_step(model, kind, micro_batches, clip_norm, sigma=0.0, mode="flat", noise_seed=0, splits=None):
+def engine_step(model, kind, micro_batches, clip_norm, sigma=0.0, mode="flat", noise_seed=0, splits=None, units=None):
     """One DP step of the real engine (ghost clipper, MicroBatchDPOptimizer, "fsdp2" reduction) on the sharded
-    model, this rank's rows of each micro-batch (`splits`: rows per rank of each); returns ({name: full released
-    gradient × L}, grads seen after backward, this rank's own rows of the released gradient × L, flattened)."""
+    model, this rank's rows of each micro-batch (`splits`: rows per rank of each; `units`: each row's unit id, per
+    micro-batch, or None: rows); returns ({name: full released gradient × L}, grads seen after backward, this
+    rank's own rows of the released gradient × L, flattened)."""
     total = sum(len(y) for _, y in micro_batches)
-    engine = DPEngine(plan_for(sigma, clip_norm, mode, total), EngineOptions(
-        clipping_engine="ghost", rank=R, micro_batches_per_step=len(micro_batches), reduction="fsdp2"),
-        DPRandomness(noise_seed=noise_seed, world_size=W))
+    engine = DPEngine(plan_for(sigma, clip_norm, mode, total, unit="row" if units is None else "document_id"),
+                      EngineOptions(clipping_engine="ghost", rank=R, micro_batches_per_step=len(micro_batches),
+                                    reduction="fsdp2"), DPRandomness(noise_seed=noise_seed, world_size=W))
     optimizer = engine.start(torch.optim.SGD(model.parameters(), lr=0.0), model)
     leaked = 0
-    for (x, y), split in zip(micro_batches, splits or SPLIT):
+    for k, ((x, y), split) in enumerate(zip(micro_batches, splits or SPLIT)):
         engine.enter_phase()
         lo, hi = my_rows(split, R)
         stand_in = hi == lo
-        xs, ys = rows_of(x, y, 0, 1) if stand_in else rows_of(x, y, lo, hi)
+        lo, hi = (0, 1) if stand_in else (lo, hi)
+        xs, ys = rows_of(x, y, lo, hi)
         with engine.recording(len(ys)):
             losses(model, kind, xs, ys).sum().backward()
         leaked += sum(p.grad is not None for p in model.parameters())
-        engine.after_backward(stand_in=stand_in)
+        engine.after_backward(None if units is None else units[k][lo:hi], stand_in=stand_in)
     optimizer.step()
     grads = {n: p.grad.full_tensor() * total for n, p in model.named_parameters() if p.requires_grad}
     local = torch.cat([p.grad.to_local().flatten() for p in model.parameters() if p.requires_grad]) * total
@@ -223,6 +225,36 @@ def check_one_example():
         grads.append(engine_step(model, "vit", mbs, clip_norm, splits=splits)[0])
     diff = torch.cat([(grads[1][n] - grads[0][n]).flatten() for n in grads[0]]).double()
     return {"diff_norm_over_C": (diff.norm() / clip_norm).item()}
+
+
+# ---- 3b. one unit of several rows far beyond C moves it by C/L at most: clipped once, as a whole ---------------
+def check_one_unit():
+    """Rank 0's 3 rows of the first micro-batch are one unit (nearly the same image ×1000, same label: its rows'
+    gradients nearly parallel, each ≫ C); every other row is a unit of its own. The σ = 0 step (× L) with and without
+    that unit differs by C at most, and by nearly C; clipping its rows one by one would move it by nearly 3C (measured
+    here too, on the same data, so the check is known to tell the two apart)."""
+    clip_norm, size = 1.0, 3
+    gen = torch.Generator().manual_seed(4)
+    with_it = split_batches("vit", gen)
+    x, y = with_it[0]
+    noise = torch.randn(size, *x["pixel_values"].shape[1:], generator=gen)
+    x["pixel_values"][:size] = 1000.0 * (x["pixel_values"][0] + 0.01 * noise)
+    y[:size] = y[0]
+    units = [torch.arange(len(b[1])) + 100 * k for k, b in enumerate(with_it)]  # one unit per row ...
+    units[0][:size] = -1  # ... but the unit of rank 0's first 3 rows
+    without = [rows_of(x, y, size, len(y))] + with_it[1:]
+    runs = ((without, [(SPLIT[0][0] - size, *SPLIT[0][1:])] + SPLIT[1:], [units[0][size:]] + units[1:]),
+            (with_it, SPLIT, units), (with_it, SPLIT, None))  # the last: its rows clipped one by one
+    grads = []
+    for mbs, splits, ids in runs:
+        model = make("vit")
+        shard_model(model)
+        grads.append(engine_step(model, "vit", mbs, clip_norm, splits=splits, units=ids)[0])
+
+    def moved(k):
+        return torch.cat([(grads[k][n] - grads[0][n]).flatten() for n in grads[0]]).double().norm().item() / clip_norm
+
+    return {"diff_norm_over_C": moved(1), "rows_clipped_one_by_one_over_C": moved(2)}
 
 
 # ---- 4. DPTrainer: fsdp=True, checkpoints, resume, LP→FT, LoRA, a model sharded at load ----------------------
@@ -330,6 +362,7 @@ def main():
     RESULTS["float64"] = {kind: check_exact_float64(kind) for kind in ("gpt2", "llama", "vit")}
     RESULTS["noise"] = check_noise()
     RESULTS["one_example"] = check_one_example()
+    RESULTS["one_unit"] = check_one_unit()
     if R == 0:
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "results.json"), "w") as f:

@@ -1,15 +1,15 @@
 """Sharded DP-SGD (FSDP2; issue 25): `DPTrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})`.
 
 Fast, in this process: every refusal (FSDP1, offload, accelerate's FSDP and DeepSpeed switches, deepspeed=, the hooks
-engine, privacy units, one process without a process group, torch < 2.9) raises a typed error before any work and
-writes nothing; `base_type` unwraps FSDP classes; DPTrainer over a 1-rank process group trains a sharded model (every
-parameter a DTensor, no DDP wrap) to the weights of the unsharded run.
+engine, one process without a process group, torch < 2.9) raises a typed error before any work and writes nothing;
+`base_type` unwraps FSDP classes; DPTrainer over a 1-rank process group trains a sharded model (every parameter a
+DTensor, no DDP wrap) to the weights of the unsharded run, and with a privacy unit clips each unit once (brute force).
 
 Slow, ONE launch of 2 gloo processes (tests/sharded_worker.py writes results.json; timeout: a lost collective fails
 instead of hanging): σ = 0 updates equal the brute-force clipped sum (GPT-2 tied, Llama, ViT, LoRA, linear probe;
 flat, per_layer, automatic; accumulation; an empty micro-batch on a rank), noise std σC/L per coordinate, one example
-moves the update by C/L at most, DPTrainer end to end with checkpoints and an exact resume, and the 1-process and
-2-process runs equal with noise off."""
+and one unit of several rows move the update by C/L at most, DPTrainer end to end with checkpoints and an exact
+resume, and the 1-process and 2-process runs equal with noise off."""
 
 import copy
 import json
@@ -56,7 +56,6 @@ def one_rank_group():
     ({}, {"ACCELERATE_USE_DEEPSPEED": "true"}, DPConfigError, "ACCELERATE_USE_DEEPSPEED=true .* use fsdp=True"),
     ({"deepspeed": {"zero_optimization": {"stage": 3}}}, {}, DPConfigError, "deepspeed=.* DeepSpeed owns the backward"),
     ({**V2, "clipping_engine": "hooks"}, {}, DPConfigError, "clipping_engine='hooks'.* Use clipping_engine='ghost'"),
-    ({**V2, "privacy_unit": "user", "max_rows_per_unit": 2}, {}, DPConfigError, "privacy_unit='user'.* or without"),
     (V2, {}, ProcessGroupError, "runs alone.*accelerate_configs"),
 ])
 def test_what_cannot_run_sharded_is_refused_before_any_work(kwargs, env, error, match, tmp_path, monkeypatch):
@@ -124,6 +123,29 @@ def test_dp_trainer_shards_the_model_itself_and_trains_it_as_unsharded(one_rank_
         torch.testing.assert_close(weights[name], plain[name], rtol=1e-5, atol=1e-7)
 
 
+def test_privacy_units_run_sharded_and_each_unit_is_clipped_once(one_rank_group, digits, tmp_path):
+    """privacy_unit under fsdp (1-rank group): micro-batches of whole units ('big', 11 of the 20 rows, is never cut),
+    clipped by the ghost engine; the σ = 0 update (q = 1: every unit) equals the brute-force per-unit clipped sum."""
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.tiny import tiny_vit
+    from utils import CaptureUpdate, brute_force_unit_sum, norm_of_difference, user_dataset
+
+    data, capture = user_dataset(digits), CaptureUpdate()
+    args = DPTrainingArguments(
+        **copy.deepcopy(V2), output_dir=str(tmp_path / "units"), per_device_train_batch_size=3,
+        gradient_accumulation_steps=2, max_steps=1, noise_multiplier=0.0, per_sample_max_grad_norm=2.0,
+        privacy_unit="user_id", learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        report_to="none", save_strategy="no", disable_tqdm=True, seed=3, noise_seed=3, target_delta=1e-3)
+    trainer = DPTrainer(model=tiny_vit(num_labels=10, seed=0), args=args, train_dataset=data, callbacks=[capture])
+    trainer.train()
+    assert trainer.engine.clipping_engine == "ghost" and trainer.engine.sampler.whole_units
+    assert trainer.ledger.plan.phases[0].sample_rate == 1.0 and trainer.ledger.plan.dataset_size == 6
+    got = {n: g.full_tensor() * trainer.ledger.expected_batch_size for n, g in capture.grads.items()}
+    want = brute_force_unit_sum(data, 2.0)
+    scale = torch.sqrt(sum((w.double() ** 2).sum() for w in want.values())).item()
+    assert norm_of_difference(got, want) <= 1e-4 * scale  # float32 (rows clipped one by one: off by O(1))
+
+
 # ---- 2 processes: one launch -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
@@ -166,6 +188,8 @@ def test_two_processes_noise_is_sigma_c_per_coordinate_once(two_processes):
     assert 0.95 <= noise["std_ratio"] <= 1.05 and 0.95 <= noise["own_rows_std_ratio"] <= 1.05  # not √2×, not 0
     assert not noise["ranks_share_noise"] and noise["coordinates"] > 10_000
     assert 0.9 <= two_processes[0]["one_example"]["diff_norm_over_C"] <= 1 + 1e-5  # clipped, not dropped
+    unit = two_processes[0]["one_unit"]  # 3 rows of one unit on rank 0: clipped once as a whole
+    assert 0.9 <= unit["diff_norm_over_C"] <= 1 + 1e-5 and unit["rows_clipped_one_by_one_over_C"] >= 2
 
 
 @pytest.mark.slow

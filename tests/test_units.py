@@ -149,3 +149,158 @@ def test_delta_is_checked_against_the_number_of_units(digits, tmp_path):
                                privacy_unit="user_id", report_to="none")
     with pytest.warns(UserWarning, match=r"n=6 training units"):
         DPTrainer(model=tiny_vit(num_labels=10, seed=0), args=args, train_dataset=user_dataset(digits))
+
+
+# ---- sharded runs: each micro-batch holds whole units, which the ghost engine clips as one --------------------------
+def test_whole_units_sampler_cuts_micro_batches_only_between_units():
+    """whole_units=True (sharded runs): the same units and rows per step as the default split, in micro-batches that
+    never cut a unit; the default (unsharded) split is unchanged and does cut."""
+    row_unit = np.repeat(np.arange(30), np.arange(30) % 4 + 1)  # units of 1..4 rows
+    kw = dict(row_unit=row_unit, num_units=30, sample_rate=0.4, steps_per_epoch=20, micro_batches_per_step=3, seed=4)
+    cut, whole = list(UnitPoissonBatchSampler(**kw)), list(UnitPoissonBatchSampler(**kw, whole_units=True))
+    assert len(whole) == len(cut) == 60
+    cuts_a_unit = 0
+    for step in range(20):
+        plain, mine = cut[3 * step: 3 * step + 3], whole[3 * step: 3 * step + 3]
+        assert sum(plain, []) == sum(mine, [])  # the same rows in the same order
+        seen = [{int(row_unit[r]) for r in micro} for micro in mine]
+        assert all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1:])  # no unit in two micro-batches
+        assert all(len(m) <= 4 + len(sum(mine, [])) / 3 for m in mine)  # near an even split
+        cuts_a_unit += any({int(row_unit[r]) for r in a} & {int(row_unit[r]) for r in b}
+                           for a, b in zip(plain, plain[1:]))
+    assert cuts_a_unit > 0  # the default split does cut units (the hooks engine carries them over)
+
+
+UNIT_OF_ROW = torch.tensor([7, 3, 7, 9, 7, 3])  # units of 3, 2 and 1 rows, in no particular order
+
+
+def unit_case(kind: str, dtype):
+    """A tiny GPT-2 (tied wte/lm_head) on right-padded rows of different lengths (unit 7's rows: 12, 7 and 2 real
+    tokens), or a tiny ViT; 6 rows."""
+    from hf_dp_repr.tiny import tiny_gpt2
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "vit":
+        model = tiny_vit(num_labels=3, seed=0)
+        inputs, labels = {"pixel_values": torch.randn(6, 1, 8, 8, generator=g)}, torch.randint(0, 3, (6,), generator=g)
+    else:
+        model = tiny_gpt2(seed=0)
+        mask = (torch.arange(12)[None] < torch.tensor([12, 3, 7, 5, 2, 9])[:, None]).long()
+        ids = torch.randint(1, 120, (6, 12), generator=g) * mask
+        inputs, labels = {"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, -100)
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    return model.to(dtype).train(), inputs, labels
+
+
+def row_losses(model, inputs, labels):
+    from hf_dp_repr.privacy.grad_samplers import batch_position_ids
+    from hf_dp_repr.privacy.loss import is_causal_lm, per_example_loss
+
+    inputs = dict(inputs)
+    batch_position_ids(model, inputs)
+    return per_example_loss(model(**inputs).logits, labels, shift_labels=is_causal_lm(model))
+
+
+def per_unit_gradients(model, inputs, labels):
+    """(trained tensors, each unit's summed gradient in the order of torch.unique(UNIT_OF_ROW)), each row alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.autograd.grad(row_losses(model, {k: v[i:i + 1] for k, v in inputs.items()}, labels[i:i + 1]).sum(),
+                                params) for i in range(len(labels))]
+    return params, [[sum(g[j] for g, u in zip(rows, UNIT_OF_ROW.tolist()) if u == unit) for j in range(len(params))]
+                    for unit in torch.unique(UNIT_OF_ROW).tolist()]
+
+
+def relative(got: list, want: list) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(got, want)) / max(b.abs().max().item() for b in want)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "vit"])
+def test_ghost_norms_and_clipped_sum_of_units_equal_a_per_unit_brute_force(kind):
+    """float64: ||Σ_{rows of u} G_r||² per unit and tensor (Gram cross terms between a unit's rows, explicit pieces
+    summed per unit), and the clipped sum with each row given its unit's factor, equal the brute force."""
+    from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine
+
+    model, inputs, labels = unit_case(kind, torch.float64)
+    params, per_unit = per_unit_gradients(model, inputs, labels)
+    engine = GhostClippingEngine(model)
+    with engine.recording(len(labels)):
+        row_losses(model, inputs, labels).sum().backward()
+    _, groups = torch.unique(UNIT_OF_ROW, return_inverse=True)
+    norms = engine.squared_norms(groups)
+    assert kind == "vit" or {p for p in params if p.dim() == 2} - engine.explicit  # the Gram path is exercised
+    for j, p in enumerate(params):
+        assert relative([norms[p]], [torch.stack([g[j].pow(2).sum() for g in per_unit])]) <= 1e-10, j
+    total = sum(norms[p] for p in params).sqrt()
+    c = (total.median() / (total + 1e-6)).clamp(max=1.0)
+    assert (c < 1).any() and (c == 1).any()
+    sums = engine.clipped_sums({p: c[groups] for p in params})
+    assert relative([sums[p] for p in params], [sum(c[u] * g[j] for u, g in enumerate(per_unit))
+                                                for j in range(len(params))]) <= 1e-10
+    engine.remove()
+
+
+@pytest.mark.parametrize("tokens", [2, 16, 40])
+def test_grouped_norms_of_a_linear_map_from_grams_from_unit_gradients_or_from_row_gradients(tokens):
+    """Linear 64→64 (p·q = 4096), units of up to m = 3 rows of T tokens: T = 2, Grams of the units' m·T tokens; T = 16,
+    each unit's gradient formed (m·T·(p+q) ≥ p·q > T·(p+q)); T = 40, rows' gradients formed in the backward."""
+    from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64).double()
+    x = torch.randn(len(UNIT_OF_ROW), tokens, 64, dtype=torch.float64)
+    engine = GhostClippingEngine(layer)
+    with engine.recording(len(x)):
+        layer(x).pow(2).sum().backward()
+    _, groups = torch.unique(UNIT_OF_ROW, return_inverse=True)
+    norms = engine.squared_norms(groups)
+    assert (layer.weight in engine.explicit) == (tokens == 40)
+    for p in (layer.weight, layer.bias):
+        rows = [torch.autograd.grad(layer(x[i]).pow(2).sum(), p)[0] for i in range(len(x))]
+        want = torch.stack([sum(g for g, u in zip(rows, groups) if u == unit).pow(2).sum() for unit in range(3)])
+        assert relative([norms[p]], [want]) <= 1e-10
+
+
+@pytest.mark.parametrize("kind, mode", [("gpt2", "flat"), ("gpt2", "per_layer"), ("vit", "automatic")])
+def test_dp_optimizer_clips_whole_units_with_the_ghost_engine(kind, mode):
+    """MicroBatchDPOptimizer(whole_units=True), as sharded runs make it: each unit clipped once by the clipping mode
+    (float32 run against the float64 brute force)."""
+    from hf_dp_repr.privacy.clipping_modes import clip_factors
+    from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine
+    from hf_dp_repr.privacy.optimizer import MicroBatchDPOptimizer
+
+    model, inputs, labels = unit_case(kind, torch.float32)
+    reference, ref_inputs, _ = unit_case(kind, torch.float64)
+    params, per_unit = per_unit_gradients(reference, ref_inputs, labels)
+    norms = torch.stack([torch.stack([g.norm() for g in grads]) for grads in per_unit])
+    clip = norms.norm(dim=1).median().item()
+    factors = clip_factors(mode, norms, clip)
+    want = [sum(factors[u, j] * g[j] for u, g in enumerate(per_unit)) for j in range(len(params))]
+    engine = GhostClippingEngine(model)
+    optimizer = MicroBatchDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), clipping=mode, noise_multiplier=0.0,
+                                      max_grad_norm=clip, expected_batch_size=1, noise_generator=lambda *a: None,
+                                      ghost=engine, whole_units=True)
+    with engine.recording(len(labels)):
+        row_losses(model, inputs, labels).sum().backward()
+    optimizer.accumulate_micro_batch(UNIT_OF_ROW)
+    assert relative([p.summed_grad.double() for p in model.parameters()], want) <= 1e-5
+    engine.remove()
+
+
+def test_ghost_optimizer_refuses_units_it_could_cut():
+    """Units with the ghost engine only for whole units (sharded runs); a unit met again in the step is refused."""
+    from hf_dp_repr.errors import UnsupportedError
+    from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine
+    from hf_dp_repr.privacy.optimizer import MicroBatchDPOptimizer
+
+    layer = torch.nn.Linear(3, 2)
+    for whole, units, match in ((False, [[1, 1]], "whole units"), (True, [[1, 2], [2, 3]], "unit 2 appears again")):
+        engine = GhostClippingEngine(layer)
+        optimizer = MicroBatchDPOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), clipping="flat",
+                                          noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=1,
+                                          noise_generator=lambda *a: None, ghost=engine, whole_units=whole)
+        with pytest.raises(UnsupportedError, match=match):
+            for ids in units:
+                with engine.recording(2):
+                    layer(torch.randn(2, 3)).sum().backward()
+                optimizer.accumulate_micro_batch(torch.tensor(ids))
+        engine.remove()

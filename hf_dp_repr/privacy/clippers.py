@@ -95,7 +95,9 @@ class GhostClipper(_Clipper):
 
     @staticmethod
     def unsupported(model: nn.Module, plan: PrivacyPlan) -> str | None:
-        if plan.privacy_unit != ROW:
+        # units: a sharded run's micro-batches hold whole units (`EngineOptions.whole_units`), clipped here at once;
+        # elsewhere a unit may span micro-batches, which the hooks engine carries over
+        if plan.privacy_unit != ROW and not is_sharded(model):
             return f"privacy_unit={plan.privacy_unit!r} clips the summed gradient of several rows"
         return unsupported_reason(model)
 

@@ -76,6 +76,12 @@ class EngineOptions:
                                 f"{('auto', *CLIPPERS)}.")
         reduction(self.reduction)  # registered, or a ValueError listing them
 
+    @property
+    def whole_units(self) -> bool:
+        """Micro-batches hold whole units (the ghost engine clips units): sharded runs, where the hooks engine, which
+        carries a cut unit over to the next micro-batch, cannot run."""
+        return self.reduction == "fsdp2"
+
 
 class DPEngine:
     """The DP machinery of one run (see the module docstring). `randomness` must be the run's (fresh for every
@@ -112,7 +118,7 @@ class DPEngine:
         if row_units is not None:
             self.sampler = UnitPoissonBatchSampler(row_units, n, sample_rate=plan.sample_rate_at,
                                                    secure=opt.secure_mode, max_rows_per_unit=opt.max_rows_per_unit,
-                                                   **common)
+                                                   whole_units=opt.whole_units, **common)
         elif plan.poisson_sampling:
             self.sampler = PoissonBatchSampler(num_samples=n, sample_rate=plan.sample_rate_at, secure=opt.secure_mode,
                                                **common)
@@ -181,7 +187,8 @@ class DPEngine:
             optimizer, clipping=plan.clipping, noise_multiplier=phase.noise_multiplier,
             max_grad_norm=plan.per_sample_max_grad_norm, expected_batch_size=phase.expected_batch_size,
             noise_generator=self._noise_generator, world_size=plan.world_size, rank=self.options.rank,
-            secure_mode=self.options.secure_mode, ghost=self.clipper.ghost, reduction=reduction(self.options.reduction))
+            secure_mode=self.options.secure_mode, ghost=self.clipper.ghost, reduction=reduction(self.options.reduction),
+            whole_units=self.options.whole_units)
         self.optimizer.attach_step_hook(lambda _optimizer: self._after_step())
         self.phase = None
         return self.optimizer

@@ -17,7 +17,10 @@ respect to its output, and nothing per example of parameter size:
 - book-keeping (Bu et al., "Differentially private optimization on large model at small cost"): during the forward
   and backward the trained tensors are marked `requires_grad=False`, so autograd never forms the unclipped summed
   gradient; after the backward, all norms give the clip factors c_i, and each tensor's clipped sum
-  Σ_i c_i G_i = (c·L)ᵀR is one matmul, the one the non-private backward would have done. No second backward.
+  Σ_i c_i G_i = (c·L)ᵀR is one matmul, the one the non-private backward would have done. No second backward;
+- units of privacy (several rows clipped as one, `squared_norms(groups=...)`): a unit's gradient is that of one
+  example whose tokens are its rows' tokens, so the same Grams on the rows concatenated along T give its norm with
+  every cross-row term; each row then takes its unit's clip factor, and the clipped sums stay per row (exact).
 
 What each kind of module supports and how its pieces (factors L, R or an explicit per-example gradient) are
 computed is its rule in `ghost_rules.py` (`register_ghost_rule` adds one; Opacus' registered rules come last).
@@ -119,6 +122,46 @@ def _materialise(left, right) -> torch.Tensor:
     return torch.einsum("btp,btq->bpq", left, right).reshape(left.shape[0], -1)
 
 
+class _Regroup:
+    """Rows → groups of rows (units of privacy) for the norms. A group's gradient Σ_r Σ_t L_rt ⊗ R_rt is one example
+    whose tokens are its rows' tokens: factors (B, T, d) become (G, m·T, d), each group's rows side by side (m: the
+    most rows of a group), zero where a group has fewer rows. A zero R kills every term it enters, whatever L is
+    there (a `OneHot` L is padded with id 0), so the Gram formula gives ||Σ_r G_r||² with all cross-row terms.
+    Explicit per-row gradients are summed per group (`sum`). No groups: everything as it is."""
+
+    def __init__(self, groups: torch.Tensor | None):
+        self.groups, self._done = groups, {}
+        if groups is None:
+            return
+        self.count = int(groups.max()) + 1 if len(groups) else 0
+        sizes = torch.bincount(groups, minlength=self.count)
+        order = torch.argsort(groups, stable=True)
+        first = torch.cumsum(sizes, 0) - sizes  # where each group starts in `order`
+        self.position = torch.empty_like(groups)
+        self.position[order] = torch.arange(len(groups), device=groups.device) - first[groups[order]]
+        self.most = int(sizes.max()) if len(groups) else 0
+
+    def sum(self, per_row: torch.Tensor) -> torch.Tensor:
+        if self.groups is None:
+            return per_row
+        out = per_row.new_zeros((self.count, *per_row.shape[1:]))
+        return out.index_add_(0, self.groups.to(per_row.device), per_row)
+
+    def __call__(self, factor):
+        """The factor with each group's rows concatenated along tokens (one object per input: Grams stay cached)."""
+        if self.groups is None:
+            return factor
+        key = id(factor) if isinstance(factor, OneHot) else (factor.data_ptr(), factor.shape, factor.stride(),
+                                                               factor.dtype)
+        if key not in self._done:
+            data = factor.ids if isinstance(factor, OneHot) else factor
+            out = data.new_zeros((self.count, self.most, *data.shape[1:]))
+            out[self.groups.to(data.device), self.position.to(data.device)] = data
+            out = out.reshape(self.count, -1, *data.shape[2:])
+            self._done[key] = (factor, OneHot(out, factor.rows) if isinstance(factor, OneHot) else out)
+        return self._done[key][1]
+
+
 class GhostClippingEngine:
     """Records what each trained module needs during one micro-batch's forward and backward, then gives
     per-example squared norms per tensor and clipped sums. `recording()` wraps forward + backward.
@@ -218,9 +261,12 @@ class GhostClippingEngine:
     def has_gradients(self) -> bool:
         return bool(self._pieces)
 
-    def squared_norms(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Per-example squared gradient norm of every trained tensor that got a gradient, float32 (B,)."""
-        norms, grams = {}, {}
+    def squared_norms(self, groups: torch.Tensor | None = None) -> dict[nn.Parameter, torch.Tensor]:
+        """Per-example squared gradient norm of every trained tensor that got a gradient, float32 (B,). With
+        `groups` (each row's group in 0..G-1, e.g. its unit of privacy): the squared norm of each group's SUMMED
+        gradient ||Σ_{rows r of g} G_r||², (G,); the clipped sums stay per row (`each_clipped_sum` with each row
+        given its group's factor is exact)."""
+        norms, grams, regroup = {}, {}, _Regroup(groups)
         for p, pieces in self._pieces.items():
             factored = [x for x in pieces if x[0] == "factors"]
             explicit = [x[1].reshape(len(x[1]), -1) for x in pieces if x[0] == "explicit"]
@@ -231,7 +277,16 @@ class GhostClippingEngine:
                 total = sum(explicit)
                 pieces[:] = [("explicit", total)]
                 self.explicit.add(p)
-                norms[p] = total.pow(2).sum(1)
+                norms[p] = regroup.sum(total).pow(2).sum(1)
+                continue
+            if groups is not None and any(isinstance(right, OneHot) for _, _, right in factored):
+                raise UnsupportedError("GhostClippingEngine: grouped norms need a dense right factor (its zero padding "
+                                       "cancels the padded tokens).")
+            factored = [(kind, regroup(left), regroup(right)) for kind, left, right in factored]
+            if groups is not None and all(_materialise_now(left, right) for _, left, right in factored):
+                # a group's T is m·T: its gradient (G, p·q) is then smaller than its Grams (G, (m·T)²); formed for
+                # the norm only (the clipped sums stay book-kept per row)
+                norms[p] = sum(_materialise(left, right) for _, left, right in factored).pow(2).sum(1)
                 continue
             norm = 0
             for u, (_, lu, ru) in enumerate(factored):  # Σ over pairs of uses, cross terms twice

@@ -9,7 +9,9 @@ processes and divides by the expected global batch size ("ddp": noise on rank 0)
     update = (Σ_i clip_C(g_i) + N(0, σ²C²)) / L,    L = per_device_batch × accumulation × processes.
 
 With a unit of privacy other than the row (`privacy.units`), g_i is the sum of the per-row gradients of unit i;
-a unit cut by a micro-batch boundary is kept summed but unclipped (`_open_unit`) until its last rows arrive.
+a unit cut by a micro-batch boundary is kept summed but unclipped (`_open_unit`) until its last rows arrive. With
+`whole_units=True` (sharded runs, whose sampler never cuts a unit) the ghost engine clips each unit in its
+micro-batch from its norm ||Σ_rows G_r|| (`GhostClippingEngine.squared_norms(groups)`).
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ class MicroBatchDPOptimizer(DPOptimizer):
     step's noise (`privacy.randomness`): never torch's global RNG, which the Trainer seeds from the public `seed`.
     `reduction`: how the clipped sums become the released gradient (`privacy.reduction`; default "ddp").
     `ghost`: a `GhostClippingEngine` giving per-example norms and clipped sums, or None: per-sample gradients
-    from Opacus hooks (`grad_sample`).
+    from Opacus hooks (`grad_sample`). `whole_units`: every micro-batch holds whole units (the sampler's
+    `whole_units=True`), so the ghost engine may clip units; a unit met again in the same step is refused.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, clipping: str, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: int,
                  noise_generator: Callable[..., torch.Generator], secure_mode: bool = False,
-                 world_size: int = 1, rank: int = 0, ghost=None, reduction: Reduction = replicated):
+                 world_size: int = 1, rank: int = 0, ghost=None, reduction: Reduction = replicated,
+                 whole_units: bool = False):
         clipping_mode(clipping)  # a registered mode, or a ValueError listing them
         super().__init__(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          expected_batch_size=expected_batch_size, loss_reduction="mean", secure_mode=secure_mode)
@@ -52,18 +56,20 @@ class MicroBatchDPOptimizer(DPOptimizer):
         self._closed_units: set[int] = set()  # units clipped in this logical step: none may come back
         self.ghost = ghost
         self.reduction = reduction
+        self.whole_units = whole_units
 
     def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None, stand_in: bool = False) -> None:
         """Clip the per-sample gradients of the micro-batch just back-propagated, add them to the clipped sum
         and free them. A no-op after an empty micro-batch. With `unit_ids` (each row's unit), rows are summed
-        per unit first and each unit is clipped once (`_accumulate_units`; Opacus hooks only). `stand_in`: the
-        micro-batch was a stand-in row run only so that this rank joins the collectives of a sharded run (its own
-        micro-batch was empty): its clip factors are 0, it adds nothing."""
+        per unit first and each unit is clipped once (`_accumulate_units` with Opacus hooks; with the ghost engine
+        only for `whole_units`). `stand_in`: the micro-batch was a stand-in row run only so that this rank joins the
+        collectives of a sharded run (its own micro-batch was empty): its clip factors are 0, it adds nothing."""
         if self.ghost is not None:
-            if unit_ids is not None:  # the trainer falls back to hooks for units; never clip rows as units here
-                raise UnsupportedError("MicroBatchDPOptimizer: the ghost clipping engine clips rows; privacy units "
-                                       "need the hooks engine (clipping_engine='hooks').")
-            return self._accumulate_from_ghost(stand_in)
+            if unit_ids is not None and not self.whole_units:  # a unit may be cut: never clip its parts as units
+                raise UnsupportedError("MicroBatchDPOptimizer: the ghost clipping engine clips units only when each "
+                                       "micro-batch holds whole units (sharded runs); use the hooks engine "
+                                       "(clipping_engine='hooks').")
+            return self._accumulate_from_ghost(stand_in, unit_ids)
         if stand_in:
             raise UnsupportedError("MicroBatchDPOptimizer: stand-in rows (sharded runs) need the ghost clipping "
                                    "engine.")
@@ -86,17 +92,24 @@ class MicroBatchDPOptimizer(DPOptimizer):
             "unused by the model's forward; freeze them (requires_grad=False) so DP-SGD does not train them."
         )
 
-    def _accumulate_from_ghost(self, stand_in: bool = False) -> None:
+    def _accumulate_from_ghost(self, stand_in: bool = False, unit_ids: torch.Tensor | None = None) -> None:
         """The same clipping from the ghost engine's per-example norms (no per-example gradient held). Each tensor's
         clipped sum is folded (`reduction.fold`: kept whole, or this rank's rows of it when sharded) as soon as it
-        is formed."""
+        is formed. With `unit_ids` (whole units): one norm and clip factor per unit, which each of its rows takes."""
         if not self.ghost.has_gradients():
             return
-        norms = self.ghost.squared_norms()
+        groups = None
+        if unit_ids is not None:
+            units, groups = torch.unique(unit_ids, return_inverse=True)
+            if not stand_in:  # (a stand-in row adds nothing: its unit is not clipped here)
+                self._close_units(units.tolist(), None)
+        norms = self.ghost.squared_norms(groups)
         missing = [p for p in self.params if p not in norms]
         if missing:
             raise self._missing_error(missing)
         factors = self.clip_factors(torch.stack([norms[p] for p in self.params], dim=1).float().clamp(min=0).sqrt())
+        if groups is not None:
+            factors = factors[groups.to(factors.device)]  # each row: its unit's factor
         if stand_in:
             factors = torch.zeros_like(factors)
         fold = getattr(self.reduction, "fold", None)
@@ -149,11 +162,13 @@ class MicroBatchDPOptimizer(DPOptimizer):
             raise UnsupportedError(f"DP-SGD: unit {unit} appears again after it was clipped in this logical step; the "
                                    "rows of a unit must be contiguous across micro-batches (UnitPoissonBatchSampler).")
 
-    def _close_units(self, ids: list[int], sums: list[torch.Tensor]) -> None:
+    def _close_units(self, ids: list[int], sums: list[torch.Tensor] | None) -> None:
+        """Mark units clipped in this step (refusing one seen before) and clip their summed gradients `sums`
+        (None: the caller clips them)."""
         for unit in ids:
             self._check_not_closed(unit)
         self._closed_units.update(ids)
-        if ids:
+        if ids and sums is not None:
             self.clip_and_accumulate(sums)
 
     def pre_step(self, closure=None) -> bool:

@@ -7,7 +7,8 @@ user). With `DPTrainingArguments(privacy_unit="user_id")` a unit is what is samp
 - micro-batches: a logical batch's rows are laid out unit after unit and split into the accumulation
   micro-batches, so a unit with many rows may span micro-batches, but only at a boundary: at most one unit
   is "open" (its partial gradient summed, not yet clipped) between two micro-batches. Memory: one extra
-  parameter-sized buffer, whatever the units' sizes.
+  parameter-sized buffer, whatever the units' sizes. `whole_units=True` (sharded runs, whose ghost engine clips
+  a unit within one micro-batch) cuts only between units instead: micro-batches of uneven sizes, no open unit.
 - clipping (`sum_per_unit`, used by `MicroBatchDPOptimizer`): the per-row gradients of a unit are summed,
   then the sum is clipped to C as ONE contribution. Removing a unit changes the update by at most C/L.
 - accounting: n = U units; the ledger, the logs and the model card name the unit.
@@ -98,10 +99,11 @@ class UnitRowsDataset(torch.utils.data.Dataset):
 class UnitPoissonBatchSampler(_LogicalBatchSampler):
     """Poisson sampling of units: each unit joins each logical batch with probability `sample_rate`; its rows
     (at most `max_rows_per_unit`, drawn with the secret generator) are laid out contiguously, so the split into
-    micro-batches cuts a unit only at a boundary. `row_unit[i]` is row i's unit; `seed` must be secret."""
+    micro-batches cuts a unit only at a boundary (`whole_units=True`: never; each micro-batch holds whole units,
+    cut where the rows are closest to an even split). `row_unit[i]` is row i's unit; `seed` must be secret."""
 
     def __init__(self, row_unit: np.ndarray, num_units: int, sample_rate, steps_per_epoch: int, *,
-                 max_rows_per_unit: int | None = None, secure: bool = False, **kw):
+                 max_rows_per_unit: int | None = None, secure: bool = False, whole_units: bool = False, **kw):
         super().__init__(num_units, steps_per_epoch, **kw)
         if secure and self.world_size > 1:
             raise UnsupportedError("secure_mode with several processes: run secure_mode in a single process.")
@@ -109,6 +111,7 @@ class UnitPoissonBatchSampler(_LogicalBatchSampler):
         starts = np.searchsorted(row_unit[order], np.arange(num_units + 1))
         self.rows_of = [order[starts[u]:starts[u + 1]] for u in range(num_units)]
         self.sample_rate, self.max_rows, self.secure = sample_rate, max_rows_per_unit, secure
+        self.whole_units = whole_units
 
     def __iter__(self):
         rng = np.random.default_rng([self.seed, self.epoch])
@@ -121,9 +124,25 @@ class UnitPoissonBatchSampler(_LogicalBatchSampler):
                 uniform = rng.random(self.num_samples)
             units = rng.permutation(np.flatnonzero(uniform < rate))[self.rank :: self.world_size]
             rows = [self._rows(u, rng) for u in units]
+            if self.whole_units:
+                yield from self._whole_units(rows)
+                continue
             mine = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
             for chunk in np.array_split(mine, self.micro_batches_per_step):
                 yield chunk.tolist()
+
+    def _whole_units(self, rows: list[np.ndarray]):
+        """The units' rows in `micro_batches_per_step` micro-batches, each cut at the unit boundary nearest (at or
+        after) an even split of the rows; never inside a unit."""
+        ends = np.cumsum([len(r) for r in rows], dtype=np.int64)
+        total = int(ends[-1]) if len(ends) else 0
+        k = self.micro_batches_per_step
+        cuts = np.searchsorted(ends, [total * j / k for j in range(1, k)], side="left") + 1
+        start = 0
+        for stop in [*cuts.tolist(), len(rows)]:
+            stop = max(start, min(stop, len(rows)))
+            yield np.concatenate(rows[start:stop]).tolist() if stop > start else []
+            start = stop
 
     def _rows(self, unit: int, rng: np.random.Generator) -> np.ndarray:
         rows = self.rows_of[unit]

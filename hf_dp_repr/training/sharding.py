@@ -12,7 +12,8 @@ refused here, before any work, naming the fix:
   `ACCELERATE_USE_DEEPSPEED`): they own the backward and reduce the unclipped gradient;
 - FSDP1 (flat parameters), CPU offload, XLA, FSDP activation checkpointing, sharded state dicts, size-based wrapping,
   any fsdp_config key not listed in `FSDP_CONFIG`;
-- the Opacus hooks engine, privacy units (clipped by the hooks engine), cached features, gradient checkpointing;
+- the Opacus hooks engine, cached features, gradient checkpointing (privacy units run: each micro-batch holds
+  whole units, which the ghost engine clips as one, `privacy.units`);
 - torch < 2.9 (`privacy.sharding.check_torch_supports_sharding`), one process without a process group.
 
 Example:
@@ -149,9 +150,6 @@ def check_dp_arguments_for_sharding(args) -> None:
         (args.clipping_engine == "hooks", "clipping_engine='hooks': Opacus' hooks store per-sample gradients on the "
          "sharded parameters, which the forward never uses, and need autograd's gradient, which FSDP2 would "
          "reduce-scatter unclipped. Use clipping_engine='ghost' (or 'auto')"),
-        (args.privacy_unit != "row", f"privacy_unit={args.privacy_unit!r}: units are clipped by the hooks engine "
-         "(per-row gradients summed per unit), which cannot run sharded; the ghost engine clips rows. Train with "
-         "privacy_unit='row', or without fsdp"),
         (bool(args.cache_features), "cache_features=True: cached features are computed by submodules called "
          "outside the sharded root's forward. Leave cache_features=None"),
         (bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing),
