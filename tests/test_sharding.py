@@ -303,3 +303,26 @@ def test_the_lm_recipe_runs_sharded_under_accelerate_launch(tmp_path):
     ledger = json.loads((out / "privacy_ledger.json").read_text())
     assert ledger["steps_done"] == 2 and ledger["privacy_unit"] == "document_id" and ledger["world_size"] == 2
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint_sharded(one_rank_group, tmp_path):
+    """load_best_model_at_end on a sharded model: after training, the weights are the best checkpoint's (not the last
+    step's), restored into the DTensors."""
+    from safetensors.torch import load_file
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.tiny import tiny_gpt2
+    from sharded_runs import _args, full_weights
+    from utils import make_token_dataset
+
+    args = _args(tmp_path / "best", 1, True, noise_multiplier=5.0, max_steps=4, optim="adamw_torch", save_steps=1,
+                 save_strategy="steps", eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+                 metric_for_best_model="eval_loss")
+    trainer = DPTrainer(model=tiny_gpt2(seed=0), args=args, train_dataset=make_token_dataset(n=48),
+                        eval_dataset=make_token_dataset(n=16, seed=5))  # held-out rows
+    trainer.train()
+    losses = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    best = trainer.state.best_model_checkpoint
+    assert best.endswith(f"checkpoint-{min(losses, key=losses.get)}") and not best.endswith("checkpoint-4"), losses
+    saved, now = load_file(os.path.join(best, "model.safetensors")), full_weights(trainer.model)
+    assert all(torch.equal(now[name], saved[name]) for name in saved)
