@@ -153,18 +153,32 @@ def test_a_refusal_writes_nothing(data, tmp_path):
 
 
 @pytest.fixture
-def read_only_dir(tmp_path):
+def read_only_dir(tmp_path, monkeypatch):
+    """A folder the OS refuses to write in: chmod 555, or for root (who writes through permissions) chattr +i; where
+    neither works, the refusal a read-only mount gives (EROFS) from the probe's file creation in that folder."""
     folder = tmp_path / "ro"
     folder.mkdir()
+    undo = None
     if os.geteuid() != 0:
         folder.chmod(0o555)
         undo = ["chmod", "755", str(folder)]
-    else:  # root writes through permissions: an immutable folder refuses it too
-        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
-            pytest.skip("no way to make a folder read-only for root here (chattr +i)")
+    elif shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)]).returncode == 0:
         undo = ["chattr", "-i", str(folder)]
+    else:
+        import errno
+        import tempfile
+
+        real_mkstemp = tempfile.mkstemp
+
+        def mkstemp(*args, dir=None, **kwargs):
+            if dir is not None and os.path.abspath(dir).startswith(str(folder)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), dir)
+            return real_mkstemp(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
     yield folder
-    subprocess.run(undo, check=True)
+    if undo:
+        subprocess.run(undo, check=True)
 
 
 @pytest.mark.parametrize("below", [False, True])
