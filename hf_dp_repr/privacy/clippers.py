@@ -26,11 +26,12 @@ from opacus.grad_sample import GradSampleHooks
 from torch import nn
 from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 
-from ..errors import ArgumentError, DPConfigError
+from ..errors import DPConfigError
 from .batch_rows import ExampleRows
 from .ghost_clipping import GhostClippingEngine, unsupported_reason
 from .grad_samplers import opt_positions_pre_hook
 from .ledger import PrivacyPlan
+from .registry import add_entry
 from .sharding import is_sharded
 from .units import ROW
 
@@ -40,10 +41,8 @@ CLIPPERS: dict[str, type] = {}  # name -> clipper class, in order of preference
 def register_clipper(name: str):
     """Class decorator: register a clipper under `name` (see the module docstring)."""
     def register(cls):
-        if name in CLIPPERS:
-            raise ArgumentError(f"clipper {name!r} is already registered.")
+        add_entry(CLIPPERS, "clipper", name, cls)
         cls.name = name
-        CLIPPERS[name] = cls
         return cls
     return register
 

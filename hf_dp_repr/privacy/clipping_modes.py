@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ArgumentError
+from .registry import add_entry, entry
 
 AUTOMATIC_CLIPPING_GAMMA = 0.01  # stability constant γ of Bu et al. (2023), "Automatic clipping"
 
@@ -48,17 +48,13 @@ CLIPPING_MODES: dict[str, ClippingMode] = {}  # in registration order: the order
 def register_clipping_mode(name: str, *, private: bool = True, help: str = "") -> Callable[[Factors], Factors]:
     """Register `factors(norms, max_grad_norm) -> factors` as clipping mode `name` (see the module docstring)."""
     def register(factors: Factors) -> Factors:
-        if name in CLIPPING_MODES:
-            raise ArgumentError(f"clipping mode {name!r} is already registered.")
-        CLIPPING_MODES[name] = ClippingMode(name, factors, private, help)
+        add_entry(CLIPPING_MODES, "clipping mode", name, ClippingMode(name, factors, private, help))
         return factors
     return register
 
 
 def clipping_mode(name: str) -> ClippingMode:
-    if name not in CLIPPING_MODES:
-        raise ArgumentError(f"unknown clipping {name!r}; use one of {tuple(CLIPPING_MODES)}.")
-    return CLIPPING_MODES[name]
+    return entry(CLIPPING_MODES, "clipping", name)
 
 
 def clip_factors(name: str, norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 
-from ..errors import ArgumentError
+from .registry import add_entry, entry
 
 
 @dataclass(frozen=True)
@@ -75,18 +75,14 @@ def register_reduction(name: str, fold: Fold = keep_whole) -> Callable[[Reductio
     """Register a strategy under `name`; `fold`: what a process keeps of each micro-batch's clipped sum (see the
     module docstring). The step function gets it as its `fold` attribute."""
     def register(strategy: Reduction) -> Reduction:
-        if name in REDUCTIONS:
-            raise ArgumentError(f"reduction {name!r} is already registered.")
+        add_entry(REDUCTIONS, "reduction", name, strategy)
         strategy.fold = fold
-        REDUCTIONS[name] = strategy
         return strategy
     return register
 
 
 def reduction(name: str) -> Reduction:
-    if name not in REDUCTIONS:
-        raise ArgumentError(f"unknown reduction {name!r}; use one of {tuple(REDUCTIONS)}.")
-    return REDUCTIONS[name]
+    return entry(REDUCTIONS, "reduction", name)
 
 
 @register_reduction("ddp")
