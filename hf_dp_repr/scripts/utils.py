@@ -170,8 +170,9 @@ def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_m
         from hf_dp_repr.hub.push import push_dp_model
 
         push_dp_model(trainer)
-    # on every process: under sharding the model's forward (e.g. generating a sample) is a collective
-    extra = extra_rows(trainer) if callable(extra_rows) else None
+    # rank 0's table; on every process when sharded: the model's forward (e.g. generating a sample) is a collective
+    needed = trainer.is_world_process_zero() or getattr(trainer, "sharded", False)
+    extra = extra_rows(trainer) if callable(extra_rows) and needed else None
     if trainer.is_world_process_zero():
         table = recipe_report.result_table(metrics, trainer.ledger, getattr(model_args, "eval_split", "eval"), extra)
         print(f"\n{table}\n(output: {trainer.args.output_dir})", flush=True)
