@@ -254,21 +254,25 @@ def test_result_table_states_metrics_and_privacy():
 
 @pytest.mark.slow
 def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
-    """`make demo`'s script: the public model, DP at ε = 1 and 8 and the non-private reference, in one table; the
-    ε = 1 run within 5 points of the reference; a line per stage while it runs."""
+    """`make demo`'s script: the public model (pre-trained on digits 0-4 only), DP at ε = 1 and 8 and the non-private
+    reference, in one table; the ε = 1 run at least 3 points above the public-only model (the private data matters);
+    a line per stage while it runs."""
     from hf_dp_repr.scripts import demo
 
-    # noise_seed: the same batches and noise every run, so the 5-point check cannot flip with a fresh secret (the demo
-    # itself draws one: its gap varied 2.5-5.3 points over runs)
+    # noise_seed: the same batches and noise every run, so the 3-point check cannot flip with a fresh secret (the demo
+    # itself draws one; benchmarks/RESULTS.md "Utility under DP" gives the spread over fresh draws)
     summary = demo.main(["--output_dir", str(tmp_path), "--", "--noise_seed", "0"])
     runs = summary["runs"]
     assert set(runs) == {"public_only", "dp_eps1", "dp_eps8", "non_private"}
     assert runs["dp_eps1"]["epsilon"] <= 1.0 and runs["dp_eps8"]["epsilon"] <= 8.0
-    assert summary["within_acceptance"]
+    assert runs["public_only"]["accuracy"] < 0.55  # it cannot name a 5-9: about half the test digits
+    assert summary["private_data_helps"] and summary["eps1_gain_over_public_points"] >= 3
     printed = capsys.readouterr().out
     assert "[1/4] dp_eps1: public pre-training" in printed and "[4/4] report" in printed
     assert "| public_only | 0 (no private data) |" in printed and "| non_private | ∞ |" in printed
     assert (tmp_path / "report" / "laws.png").exists()
+    card = (tmp_path / "report" / "model_card_dp_eps1.md").read_text()
+    assert "of classes [0, 1, 2, 3, 4] only" in card  # the card says what the public data was
 
 
 def test_public_pretraining_prints_progress_lines():
@@ -312,12 +316,12 @@ def test_summary_json_has_no_infinity_and_says_which_run_is_not_private():
                        rho_residual=0.9, seconds=1.0, law_entry={}, first_law_entry={})
             for name, eps, sigma, acc in [("public_only", 0.0, None, 0.6), ("dp_eps1", 0.99, 4.0, 0.8),
                                           ("dp_eps8", 7.9, 1.0, 0.85), ("non_private", math.inf, 0.0, 0.9)]}
-    text = json.dumps(demo._summary(rows, gap=10.0, seconds=3.0), indent=2, default=str, allow_nan=False)
+    text = json.dumps(demo._summary(rows, gain=2.0, gap=10.0, seconds=3.0), indent=2, default=str, allow_nan=False)
     summary = json.loads(text, parse_constant=_refuse)
     runs = summary["runs"]
     assert runs["non_private"]["epsilon"] is None and runs["non_private"]["differentially_private"] is False
     assert runs["dp_eps1"]["epsilon"] == 0.99 and runs["dp_eps1"]["differentially_private"] is True
-    assert "law_entry" not in runs["dp_eps8"] and summary["within_acceptance"] is False
+    assert "law_entry" not in runs["dp_eps8"] and summary["private_data_helps"] is False
     assert "| non_private | ∞ |" in demo._table(rows)  # the printed table still says ∞
     with pytest.raises(ValueError, match="Infinity"):
         json.loads(json.dumps({"epsilon": math.inf}), parse_constant=_refuse)  # what main wrote
@@ -338,3 +342,31 @@ def test_seed000_sweep_writes_its_report(tmp_path):
         assert len(r["fuzziness"].split(",")) == 5  # D_l at the embedding output and after each of the 4 blocks
     for name in ("report.md", "results.csv", "summary.json", "accuracy_vs_k.png", "fuzziness_by_layer.png"):
         assert os.path.exists(tmp_path / name)
+
+
+def test_public_classes_and_shift_make_another_task_and_validation_is_carved_from_the_private_rows(tmp_path):
+    """The demo's public task: only the public rows of the given classes pre-train, their images shifted; the
+    validation rows come out of the private training rows (never the test split), and the card says both."""
+    import torch
+
+    from hf_dp_repr.data import load_digits_dataset
+    from hf_dp_repr.data.images import shift_images
+    from hf_dp_repr.scripts import image_classification
+    from hf_dp_repr.scripts import utils as ru
+
+    image_classification.main([
+        "--output_dir", str(tmp_path), "--noise_multiplier", "1", "--public_fraction", "0.3", "--public_classes", "0",
+        "1", "--public_shift", "mirror", "--public_epochs", "1", "--validation_fraction", "0.2", "--max_steps", "1",
+        "--per_device_train_batch_size", "32", "--trainable_blocks", "0", "--save_strategy", "no",
+        "--report_to", "none", "--disable_tqdm", "true", "--seed", "0"])
+    public, private = ru.split_public_private(load_digits_dataset()["train"], 0.3, 0)
+    expected = sum(int(y) in (0, 1) for y in public["labels"])
+    marker = json.loads((tmp_path / "public_pretrained" / ru.PUBLIC_PRETRAINING_FILE).read_text())
+    assert marker["examples"] == expected < len(public) and marker["signature"]["classes"] == [0, 1]
+    card = (tmp_path / "README.md").read_text()
+    assert "of classes [0, 1] only" in card and "(mirror)" in card
+    held_out = round(0.2 * len(private))
+    assert f"{held_out} private training rows held out as validation" in card
+    assert f"{len(private) - held_out} examples of the 'train' split" in card
+    mirrored = shift_images(public.select(range(2)).with_format("torch"), "mirror")[:]["pixel_values"]
+    assert torch.equal(mirrored, public.with_format("torch")[:2]["pixel_values"].flip(-1))

@@ -179,3 +179,40 @@ def to_pixel_values(dataset, image_col: str, processor, num_channels: int = 3, d
 
     out = dataset.map(fn, batched=True, batch_size=64, remove_columns=[image_col], desc=desc)
     return out.with_format("torch")
+
+
+# ---- a shifted public distribution --------------------------------------------------------------------------------
+def _blur(x):
+    import torch
+
+    c = x.shape[-3]
+    kernel = torch.full((c, 1, 3, 3), 1 / 9, dtype=x.dtype)
+    return torch.nn.functional.conv2d(x.reshape(-1, *x.shape[-3:]), kernel, padding=1, groups=c).reshape(x.shape)
+
+
+# name → a fixed map of pixel values (…, C, H, W): the public images' distribution differs from the private task's
+PUBLIC_SHIFTS = {
+    "none": lambda x: x,
+    "rotate90": lambda x: x.rot90(1, (-2, -1)),
+    "mirror": lambda x: x.flip(-1),
+    "invert": lambda x: -x,
+    "blur": _blur,
+}
+
+
+def shift_images(dataset, shift: str):
+    """`dataset` with every `pixel_values` passed through `PUBLIC_SHIFTS[shift]` (a fixed map, once, with `map`).
+
+        >>> import torch
+        >>> from datasets import Dataset
+        >>> ds = Dataset.from_dict({"pixel_values": [[[[0.0, 1.0], [2.0, 3.0]]]]}).with_format("torch")
+        >>> shift_images(ds, "rotate90")[0]["pixel_values"].tolist()
+        [[[1.0, 3.0], [0.0, 2.0]]]
+    """
+    if shift not in PUBLIC_SHIFTS:
+        raise DPConfigError(f"public shift {shift!r}: choose one of {sorted(PUBLIC_SHIFTS)}")
+    if shift == "none":
+        return dataset
+    fn = PUBLIC_SHIFTS[shift]
+    return dataset.map(lambda b: {"pixel_values": fn(b["pixel_values"])}, batched=True,
+                       desc=f"public images: {shift}").with_format("torch")

@@ -64,6 +64,13 @@ class PublicPretrainingArguments:
     public_epochs: float = field(default=40, metadata={"help": "Epochs of the non-private public pre-training."})
     public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
     public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
+    public_shift: str = field(default="none", metadata={
+        "help": "A fixed map applied to the public images only, so that public pre-training sees another distribution "
+                "than the private task (the usual case: pre-trained elsewhere, fine-tuned on your data): none, "
+                "rotate90, mirror, invert, blur (hf_dp_repr.data.images.PUBLIC_SHIFTS)."})
+    public_classes: list[int] | None = field(default=None, metadata={
+        "help": "Keep only the public examples of these classes (label ids), e.g. 0 1 2 3 4: public pre-training "
+                "on another task than the private one (default: every class)."})
     public_model_dir: str | None = field(default=None, metadata={
         "help": "Where the publicly pre-trained model is saved (default: <output_dir>/public_pretrained); reused "
                 "when it holds a model pre-trained with the same settings."})

@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_dp_repr.data import DIGITS, load_embedded
-from hf_dp_repr.data.images import image_processor_for, load_npz, per_class_indices, read_index_file, to_pixel_values
+from hf_dp_repr.data.images import (
+    image_processor_for,
+    load_npz,
+    per_class_indices,
+    read_index_file,
+    shift_images,
+    to_pixel_values,
+)
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
@@ -79,6 +86,10 @@ class ImageArguments(AnalysisArguments, PublicPretrainingArguments, Classificati
     image_std: list[float] | None = field(default=None, metadata={
         "help": "Per-channel normalisation std, e.g. 0.229 0.224 0.225 (default: the image processor's or the "
                 "family's)."})
+    validation_fraction: float = field(default=0.0, metadata={
+        "help": "Evaluate on this share of the private training rows, held out from training, instead of the eval "
+                "split: choose settings on it, never on the test split. Its metrics are computed on private data "
+                "outside DP-SGD, and choosing settings by them is not covered by the reported ε."})
 
 
 ARGUMENT_TYPES = (ImageArguments, DPTrainingArguments)
@@ -102,12 +113,25 @@ def main(argv: list[str] | None = None) -> dict:
     train, public = data["train"], None
     if public_fraction > 0:
         public, train = ru.split_public_private(train, public_fraction, targs.seed)
+        public = shift_images(public, margs.public_shift)
+        if margs.public_classes:
+            keep = set(margs.public_classes)
+            public = public.select([i for i, y in enumerate(public.with_format(None)["labels"]) if y in keep])
+            if not len(public):
+                raise RecipeArgumentError(f"--public_classes {margs.public_classes}: no public example has these "
+                                          "labels (label ids, 0..num_labels-1)")
+    if not 0 <= margs.validation_fraction < 1:
+        raise RecipeArgumentError(f"--validation_fraction must be in [0, 1), got {margs.validation_fraction}")
+    if margs.validation_fraction:
+        data["eval"], train = ru.split_public_private(train, margs.validation_fraction, targs.seed)
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
         signature = dict(model=model_name, dataset=margs.dataset_name, split=margs.train_split,
-                         fraction=public_fraction, seed=targs.seed, epochs=margs.public_epochs,
+                         fraction=public_fraction, shift=margs.public_shift,
+                         classes=margs.public_classes, seed=targs.seed,
+                         epochs=margs.public_epochs,
                          lr=margs.public_learning_rate, batch=margs.public_batch_size,
                          per_class=margs.max_train_samples_per_class, indices=margs.train_indices_file)
         path = ru.pretrain_on_public(model, public, save_dir=save_dir, training_args=targs,
@@ -130,10 +154,15 @@ def main(argv: list[str] | None = None) -> dict:
         datasets=[margs.dataset_name] if margs.dataset_name != DIGITS else [],
         private_data=f"{len(train)} examples of the '{margs.train_split}' split of {margs.dataset_name}"
                      + (f" (the {1 - public_fraction:.0%} not used as public data)" if public else ""),
-        public_data=(f"{len(public)} other examples of the same split, disjoint from the private ones, used for "
-                     f"non-private pre-training of the randomly initialised {model_name}" if public else
+        public_data=(f"{len(public)} other examples of the same split, disjoint from the private ones"
+                     + (f", of classes {margs.public_classes} only" if margs.public_classes else "")
+                     + ("" if margs.public_shift == "none" else f", shifted to another distribution "
+                        f"({margs.public_shift})") + f", used for non-private pre-training of the randomly "
+                     f"initialised {model_name}" if public is not None else
                      f"the pre-trained weights of {model_name} (not trained on the private data here)"),
-        analysis_data=f"the '{margs.eval_split}' split ({len(data['eval'])} examples, not trained on)",
+        analysis_data=(f"{len(data['eval'])} private training rows held out as validation (not trained on)"
+                       if margs.validation_fraction else
+                       f"the '{margs.eval_split}' split ({len(data['eval'])} examples, not trained on)"),
     )
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
                         data_collator=collate, compute_metrics=ru.accuracy_metrics(), callbacks=callbacks,
