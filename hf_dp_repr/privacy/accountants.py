@@ -40,6 +40,7 @@ from opacus.accountants import create_accountant
 
 from ..errors import DPConfigError
 from ..quiet import RDP_LARGEST_ALPHA
+from ..registry import Registry
 
 History = list[tuple[float, float, int]]  # (noise_multiplier, sample_rate, steps), as Opacus stores it
 NEIGHBORING_RELATIONS = ("add_remove", "replace_one")
@@ -64,15 +65,17 @@ class Accountant:
     source: str  # who computes it (messages, the model card): "dp_accounting", "Opacus", ...
 
 
-ACCOUNTANTS: dict[str, Accountant] = {}  # in registration order: messages list them so
+ACCOUNTANTS = Registry("accountant", DPConfigError)  # in registration order: messages list them so
 
 
-def register_accountant(name: str, neighboring=("add_remove",), source: str = "user"):
+def register_accountant(name: str, neighboring=("add_remove",), source: str = "user", *, replace: bool = False):
     """Decorator: register `epsilon(history, delta, neighboring) -> float` as accountant `name`, for the relations in
     `neighboring`. Refused (DPConfigError) if it reports less than a lower bound of the true ε on
     `REFERENCE_HISTORIES` (dp_accounting's optimistic privacy loss distribution, which rounds every loss down)."""
     def register(epsilon):
         entry = _entry(name, epsilon, neighboring, source)
+        if name in ACCOUNTANTS and not replace:  # before the reference check: refused whatever it reports
+            ACCOUNTANTS.add(name, entry)
         for relation in entry.neighboring:
             for history in REFERENCE_HISTORIES:
                 reported = float(epsilon(history, REFERENCE_DELTA, relation))
@@ -82,7 +85,7 @@ def register_accountant(name: str, neighboring=("add_remove",), source: str = "u
                         f"register_accountant({name!r}): ε = {reported:.4g} for {list(history)} (σ, q, steps) at "
                         f"δ={REFERENCE_DELTA:g}, {relation} neighbours, is below {floor:.4g}, a lower bound of the "
                         "true ε (dp_accounting's optimistic PLD): not an upper bound, refused.")
-        ACCOUNTANTS[name] = entry
+        ACCOUNTANTS.add(name, entry, replace=replace)
         return epsilon
 
     return register
@@ -102,11 +105,9 @@ def check_accountant(accountant: str, neighboring: str = "add_remove") -> None:
     """Raise `ValueError` naming the fix unless (accountant, neighbouring relation) is one this library reports."""
     if accountant in REFUSED:
         raise DPConfigError(REFUSED[accountant])
-    if accountant not in ACCOUNTANTS:
-        raise DPConfigError(f"unknown accountant {accountant!r}; use one of {tuple(ACCOUNTANTS)}.")
+    entry = ACCOUNTANTS.lookup(accountant)
     if neighboring not in NEIGHBORING_RELATIONS:
         raise DPConfigError(f"unknown neighbouring relation {neighboring!r}; use one of {NEIGHBORING_RELATIONS}.")
-    entry = ACCOUNTANTS[accountant]
     if neighboring not in entry.neighboring:
         able = " or ".join(f"{a.name!r} ({a.source})" for a in ACCOUNTANTS.values() if neighboring in a.neighboring)
         raise DPConfigError(f"neighboring={neighboring!r} needs accountant={able}; the {accountant!r} accountant "
@@ -180,5 +181,5 @@ def _full_batch(history: History):
 # Registered without the reference check (it would import dp_accounting and cost a third of a second at every import;
 # the tests check more histories); the order is the one messages list them in.
 for _name in ("prv", "rdp"):
-    ACCOUNTANTS[_name] = _entry(_name, functools.partial(_opacus_epsilon, _name), ("add_remove",), "Opacus")
-ACCOUNTANTS["pld"] = _entry("pld", _pld_epsilon, NEIGHBORING_RELATIONS, "dp_accounting")
+    ACCOUNTANTS.add(_name, _entry(_name, functools.partial(_opacus_epsilon, _name), ("add_remove",), "Opacus"))
+ACCOUNTANTS.add("pld", _entry("pld", _pld_epsilon, NEIGHBORING_RELATIONS, "dp_accounting"))

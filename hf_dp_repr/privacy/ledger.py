@@ -27,7 +27,6 @@ import os
 import warnings
 from dataclasses import asdict, dataclass
 
-from .._moved import REMOVED_IN
 from ..errors import LedgerError, PrivacyBudgetExhaustedError
 from .accounting import History, compute_epsilon, merge_history
 
@@ -157,7 +156,7 @@ class PrivacyLedger:
             raise AttributeError(name)
         value = getattr(self.plan, name)  # an AttributeError for a name the plan lacks too
         warnings.warn(f"PrivacyLedger.{name} reads the plan through the ledger; use ledger.plan.{name} (the "
-                      f"forwarding goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+                      "forwarding goes in 0.3)", DeprecationWarning, stacklevel=2)
         return value
 
     @property
