@@ -41,6 +41,7 @@ from opacus.accountants import create_accountant
 from ..errors import DPConfigError
 from ..quiet import RDP_LARGEST_ALPHA
 from ..registry import Registry
+from .attack_rates import PLD_DISCRETIZATION, gaussian_pld
 
 History = list[tuple[float, float, int]]  # (noise_multiplier, sample_rate, steps), as Opacus stores it
 NEIGHBORING_RELATIONS = ("add_remove", "replace_one")
@@ -48,10 +49,10 @@ GDP_REFUSED = ("the 'gdp' accountant is refused: its central-limit approximation
                "under-reports ε for DP-SGD (e.g. 0.47 for a true 1.69 at σ=0.9, q=0.05, 3 steps). Use 'pld' "
                "(default), 'prv' or 'rdp'.")
 REFUSED = {"gdp": GDP_REFUSED}  # name: why it is refused
-# dp_accounting's privacy-loss grid for `pld`. Its pessimistic estimate rounds every loss up to the grid, so a coarser
-# grid only raises ε: 1e-3 reports at most ~0.1 % above dp_accounting's finer default (1e-4) and calibrates 5-10×
-# faster (measured on histories of 3 to 1000 steps; tests/test_accounting.py checks it is never below).
-PLD_DISCRETIZATION = 1e-3
+# PLD_DISCRETIZATION (attack_rates.py): dp_accounting's privacy-loss grid for `pld`. Its pessimistic estimate rounds
+# every loss up to the grid, so a coarser grid only raises ε: 1e-3 reports at most ~0.1 % above dp_accounting's finer
+# default (1e-4) and calibrates 5-10× faster (measured on histories of 3 to 1000 steps; tests/test_accounting.py
+# checks it is never below).
 # What a new accountant is checked on: GDP's counter-example (0.47 reported, 1.69 true) and two phases.
 REFERENCE_HISTORIES = (((0.9, 0.05, 3),), ((1.0, 0.1, 5), (2.0, 0.2, 3)))
 REFERENCE_DELTA = 1e-5
@@ -134,19 +135,7 @@ def _words(relation: str) -> str:
 @functools.lru_cache(maxsize=16)
 def _lower_bound(history: tuple, neighboring: str) -> float:
     """A lower bound of the true ε: dp_accounting's privacy loss distribution with its optimistic rounding."""
-    import dp_accounting
-    from dp_accounting.pld import privacy_loss_distribution as pld
-
-    relation = dp_accounting.NeighboringRelation
-    total = None
-    for sigma, q, steps in history:
-        step = pld.from_gaussian_mechanism(
-            sigma, pessimistic_estimate=False, value_discretization_interval=PLD_DISCRETIZATION, sampling_prob=q,
-            use_connect_dots=False,  # connect-the-dots has no optimistic rounding
-            neighboring_relation=relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE)
-        step = step.self_compose(steps)
-        total = step if total is None else total.compose(step)
-    return float(total.get_epsilon_for_delta(REFERENCE_DELTA))
+    return float(gaussian_pld(history, neighboring, pessimistic=False).get_epsilon_for_delta(REFERENCE_DELTA))
 
 
 # ---- the built-in accountants (their checks: tests/test_accounting.py, against dp_accounting) ------------------
