@@ -5,15 +5,13 @@ The package follows the pipeline, one folder per stage, each importing only the 
 → `privacy` → `hub` → `training` → `analysis` → `audit`, `tuning` → `scripts` (and `cli`). The classes and
 functions below load on first use (PEP 562), so `import hf_dp_repr` imports neither torch nor transformers: the
 entry points set up the process first (`hf_dp_repr.entry_point`) and `hf-dp-repr privacy` loads only the
-accountant. Module paths from before the stages (`hf_dp_repr.model_card`, `hf_dp_repr.config`, ...) still import,
-with a DeprecationWarning (`hf_dp_repr._moved`).
+accountant.
 """
 
 __version__ = "0.1.0"
 
 import importlib
 
-from . import _moved
 from .errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -40,7 +38,6 @@ from .quiet import silence_known_noise
 from .training.search_backends import register_search_backend
 
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)
-_moved.install()  # old module paths import as the new modules, with a DeprecationWarning
 # DPTrainer.hyperparameter_search(backend="optuna"): tuning's search, imported at its first use (training imports
 # nothing of tuning)
 register_search_backend("optuna", "hf_dp_repr.tuning.search:run_search")

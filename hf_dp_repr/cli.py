@@ -12,7 +12,9 @@
     hf-dp-repr audit --model out/ --members private_split/ --non-members digits:test --out audit/
 
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
-`steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
+`steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`, and what
+that means for an attacker (`attack_bounds`): the largest true-positive rate of any membership test at
+false-positive rates 0.1 %, 1 % and 10 %, and the largest advantage TPR − FPR, for the --neighboring relation.
 
 `push` uploads a finished run (a DPTrainer output_dir) through the same allow-list as every other push: weights,
 tokenizer / processor files, eval metrics, representation laws, `privacy_ledger.json` and the DP card, refreshed
@@ -81,6 +83,7 @@ def _add_privacy_parser(subparsers) -> None:
 def run_privacy(args: argparse.Namespace) -> int:
     from .privacy.accountants import ACCOUNTANTS, REFUSED, accountants_for, default_neighboring
     from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+    from .privacy.attack_rates import attack_rates
 
     if args.steps <= 0:
         raise SystemExit("hf-dp-repr privacy: --steps must be > 0")
@@ -110,7 +113,10 @@ def run_privacy(args: argparse.Namespace) -> int:
     result["noise_multiplier"] = sigma
     result["epsilon"] = compute_epsilon([(sigma, args.sample_rate, args.steps)], args.delta, args.accountant,
                                         args.neighboring)
-    print(json.dumps(result, indent=2))
+    # what the guarantee means for a membership attacker, from the run's privacy loss distribution
+    rates = attack_rates([(sigma, args.sample_rate, args.steps)], args.neighboring)
+    result["attack_bounds"] = {**rates.to_dict(), "in_words": rates.describe()}
+    print(json.dumps(result, indent=2, ensure_ascii=False))
     return 0
 
 

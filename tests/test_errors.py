@@ -26,22 +26,6 @@ def test_hierarchy_is_exported_and_keeps_the_builtins():
     assert issubclass(errors.DPConfigError, errors.ArgumentError)  # one argument error family
 
 
-@pytest.mark.parametrize("module,name", [
-    ("hf_dp_repr.hub", "HubAccessError"), ("hf_dp_repr.scope", "ScopeError"),
-    ("hf_dp_repr.privacy.validation", "NotPrivatizableError"),
-    ("hf_dp_repr.training.checkpoint", "CheckpointMismatchError")])
-def test_old_import_paths_still_work_with_a_deprecation_warning(module, name):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} moved to hf_dp_repr\.errors\.{name}"):
-        cls = getattr(importlib.import_module(module), name)
-    assert cls is getattr(errors, name)
-    from hf_dp_repr.privacy.accounting import OutOfReachError  # used there: a plain import
-    from hf_dp_repr.scripts.checks import RecipeArgumentError
-
-    assert (OutOfReachError, RecipeArgumentError) == (errors.OutOfReachError, errors.RecipeArgumentError)
-
-
 def test_bad_arguments_raise_dp_config_error():
     with pytest.raises(errors.DPConfigError, match="target_epsilon"):
         hf_dp_repr.DPTrainingArguments(output_dir="o", report_to="none", target_epsilon=-1.0)

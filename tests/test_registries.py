@@ -1,4 +1,5 @@
-"""The accountant and ghost-norm rule registries: one registration adds an entry that every user of it sees."""
+"""The registries (accountants, ghost-norm rules, clippers ...): one registration adds an entry that every user of it
+sees, read when used; a name registered twice is refused unless replaced on purpose."""
 
 import copy
 import json
@@ -12,6 +13,7 @@ from hf_dp_repr.cli import main
 from hf_dp_repr.errors import DPConfigError
 from hf_dp_repr.privacy.accountants import ACCOUNTANTS, register_accountant
 from hf_dp_repr.privacy.accounting import calibrate_noise_multiplier, compute_epsilon, too_low_message
+from hf_dp_repr.privacy.clippers import CLIPPERS, HooksClipper, register_clipper
 from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine, unsupported_reason
 from hf_dp_repr.privacy.ghost_rules import GHOST_RULES, register_ghost_rule, rows
 from hf_dp_repr.tiny import tiny_vit
@@ -23,11 +25,16 @@ FINE_ORDERS = [1 + x / 100 for x in range(1, 1000)] + list(range(11, 257))
 @pytest.fixture
 def registries():
     """Registrations last for the process: each test gets the registries back as they were."""
-    accountants, rules = dict(ACCOUNTANTS), list(GHOST_RULES)
+    from hf_dp_repr.privacy.clipping_modes import CLIPPING_MODES
+    from hf_dp_repr.scope.groups import GROUPS
+    from hf_dp_repr.training.search_backends import SEARCH_BACKENDS
+
+    saved = [(table, dict(table)) for table in (ACCOUNTANTS, GHOST_RULES, CLIPPERS, CLIPPING_MODES, GROUPS,
+                                                SEARCH_BACKENDS)]
     yield
-    ACCOUNTANTS.clear()
-    ACCOUNTANTS.update(accountants)
-    GHOST_RULES[:] = rules
+    for table, entries in saved:
+        table.clear()
+        table.update(entries)
 
 
 def opacus_rdp(history, delta, orders):
@@ -194,3 +201,49 @@ def test_the_trainer_clips_a_registered_module_by_ghost_norms_else_by_hooks(regi
     assert engine == "ghost" and ghost["classifier.1.s"].abs().sum() > 0
     num = sum((ghost[k] - hooks[k]).double().pow(2).sum() for k in hooks)  # σ = 0 and the same (seeded) batch
     assert (num / sum(hooks[k].double().pow(2).sum() for k in hooks)).sqrt() <= 1e-5
+
+
+def test_a_name_registered_twice_is_refused_unless_replaced(registries):
+    from hf_dp_repr.privacy.clipping_modes import CLIPPING_MODES, register_clipping_mode
+    from hf_dp_repr.scope.groups import GROUPS, register_group
+    from hf_dp_repr.training.search_backends import SEARCH_BACKENDS, register_search_backend
+
+    pld = ACCOUNTANTS["pld"]
+    with pytest.raises(DPConfigError, match="accountant 'pld' is already registered; pass replace=True"):
+        register_accountant("pld", neighboring=("add_remove", "replace_one"))(pld.epsilon)
+    assert ACCOUNTANTS["pld"] is pld
+    register_accountant("pld", neighboring=("add_remove", "replace_one"), source="again", replace=True)(pld.epsilon)
+    assert ACCOUNTANTS["pld"].source == "again" and list(ACCOUNTANTS)[-1] == "pld"  # replaced in place
+    for register, table, name in [(register_clipper, CLIPPERS, "hooks"),
+                                  (lambda n: register_clipping_mode(n), CLIPPING_MODES, "flat"),
+                                  (lambda n: register_group(n), GROUPS, "head"),
+                                  (lambda n: register_ghost_rule(n), GHOST_RULES, nn.Linear)]:
+        before = table[name]
+        with pytest.raises(ValueError, match="is already registered"):
+            register(name)(lambda *a: None)
+        assert table[name] is before
+    with pytest.raises(ValueError, match="search backend 'optuna' is already registered"):
+        register_search_backend("optuna", lambda *a, **k: None)
+    assert SEARCH_BACKENDS["optuna"] is not None
+
+
+def test_a_clipper_registered_after_the_arguments_are_imported_is_accepted(registries, tmp_path):
+    from transformers import HfArgumentParser
+
+    import hf_dp_repr.training.arguments  # noqa: F401 (imported first, on purpose)
+
+    with pytest.raises(DPConfigError, match="unknown clipping_engine 'hooks_logged'"):
+        DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, clipping_engine="hooks_logged",
+                            report_to="none")
+
+    @register_clipper("hooks_logged")
+    class LoggedHooks(HooksClipper):
+        how = "by Opacus hooks, logged"
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, clipping_engine="hooks_logged",
+                               report_to="none")
+    assert args.clipping_engine == "hooks_logged"
+    parsed, = HfArgumentParser(DPTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--noise_multiplier", "1", "--clipping_engine", "hooks_logged",
+         "--report_to", "none"])
+    assert parsed.clipping_engine == "hooks_logged"

@@ -115,6 +115,8 @@ def test_start_of_training_logs_the_trainable_table(digits, tmp_path):
     assert "vit.layers.3" in cl.out and f"{block:,}" in cl.out
     assert "trainable            34,250  of 136,138" in cl.out  # block 3 + final layernorm (128) + head (650)
     assert "noise per parameter per step: std σ·C/B = 0.0625" in cl.out  # σ=1, C=1, B=16
+    # at the end: ε and what it means for a membership attacker (PrivacyLedger.summary)
+    assert "DPTrainer: 1 of 1 DP steps taken: (ε = " in cl.out and "a membership test can reach at most TPR" in cl.out
 
 
 class _Snapshot(TrainerCallback):

@@ -50,7 +50,7 @@ def test_a_registered_backend_runs_and_its_run_hooks_see_each_train(digits, tmp_
         return "done"
 
     monkeypatch.setitem(SEARCH_BACKENDS, "test", None)  # removed again after the test
-    register_search_backend("test", backend)
+    register_search_backend("test", backend, replace=True)
     trainer = _trainer(digits, tmp_path)
     assert trainer.hyperparameter_search(backend="test") == "done"
     assert seen == [(trainer, "complete", 1)]

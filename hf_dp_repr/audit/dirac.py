@@ -74,11 +74,13 @@ class DiracCanaryTrainer(DPTrainer):
     `train()`, `canary_scores()` is each canary's summed released gradient in units of C."""
 
     def __init__(self, model, args, train_dataset, m: int, magnitude: float | None = None, **kwargs):
-        magnitude = MAGNITUDE_OVER_C * args.per_sample_max_grad_norm if magnitude is None else magnitude
-        model.add_module(DIRAC_MODULE, DiracCanaries(m, magnitude))
+        model.add_module(DIRAC_MODULE, DiracCanaries(m, 0.0))  # the magnitude once the plan is made, below
         self.dirac_canaries = model.get_submodule(DIRAC_MODULE)
         self._canary_ids: torch.Tensor | None = None
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        if magnitude is None:  # C as the run's privacy plan states it (what is clipped to and accounted)
+            magnitude = MAGNITUDE_OVER_C * self.privacy_plan().per_sample_max_grad_norm
+        self.dirac_canaries.magnitude = float(magnitude)
         self._released = _ReleasedGradient(self)
         self.add_callback(self._released)
 

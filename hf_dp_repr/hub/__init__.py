@@ -4,11 +4,8 @@ card may carry (`public_names`: no local path), and the pushes (`push`: an allow
 Hub access checked before any work). It sits below training, not after it: the trainer writes the card next to
 every model it saves and pushes checkpoints during training, so the training stage imports this one; hub itself
 needs only privacy (the ledger, the accountant, the unit) and nothing above it.
-
-`hf_dp_repr.hub` serves the push API and the card's functions, as before the package was arranged by pipeline stage.
 """
 
-from .._moved import moved_attribute
 from .card import ModelCardInfo, format_epsilon, refresh_model_card, render_model_card, template_path, write_model_card
 from .push import (
                    check_hub_access,
@@ -29,7 +26,3 @@ __all__ = ["ModelCardInfo", "check_hub_access", "check_pushable", "create_repo",
            "push_dp_model", "push_run_folder", "refresh_model_card", "render_model_card", "save_public_metrics",
            "template_path", "upload_run", "write_model_card"]
 
-
-def __getattr__(name: str):
-    # HubAccessError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
-    return moved_attribute(__name__, name)

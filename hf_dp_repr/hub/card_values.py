@@ -14,6 +14,7 @@ import math
 from decimal import Decimal
 
 from ..privacy.accountants import ACCOUNTANTS
+from ..privacy.attack_rates import attack_rates, attack_rates_from_epsilon
 from ..privacy.units import ROW, describe_unit
 
 RANDOMNESS = {
@@ -145,7 +146,22 @@ def _release_claim(led: dict, history: list, neighboring: str, search: dict | No
         rows.append(("ε for add/remove neighbours (the plan's; needs n secret)", fmt(plan_eps)))
         summary += (f" The run was planned for add/remove neighbours, ε = {fmt(plan_eps)}; that holds only while n "
                     "and what reveals it (sample rate, steps, epochs) stay secret, and this card states them.")
+    if search:  # a search's guarantee is an (ε, δ) pair (Papernot-Steinke), not a privacy loss distribution
+        rates = attack_rates_from_epsilon(headline, led["target_delta"], "replace_one")
+    else:
+        rates = attack_rates([tuple(h) for h in history], "replace_one")
+    rows += attack_rows(rates)
+    summary += f" For an attacker, {rates.describe()}."
     return dict(epsilon=headline, label=label, rows=rows, summary=summary, note=" ".join(notes))
+
+
+def attack_rows(rates) -> list[tuple[str, str]]:
+    """The guarantee table's rows of what a membership attacker can reach (`privacy.attack_rates`)."""
+    fprs = " / ".join(f"{100 * f:g} %" for f in rates.tpr_at_fpr)
+    source = "from the run's privacy loss distribution" if rates.source != "(ε, δ)" else "from (ε, δ) alone"
+    return [(f"largest TPR of any membership test at FPR {fprs} ({source})",
+             " / ".join(f"{100 * t:.3g} %" for t in rates.tpr_at_fpr.values())),
+            ("largest attacker advantage (TPR − FPR)", f"{100 * rates.advantage:.3g} %")]
 
 
 def audit_row(audit: dict | None) -> dict | None:

@@ -40,6 +40,8 @@ from opacus.accountants import create_accountant
 
 from ..errors import DPConfigError
 from ..quiet import RDP_LARGEST_ALPHA
+from ..registry import Registry
+from .attack_rates import PLD_DISCRETIZATION, gaussian_pld
 
 History = list[tuple[float, float, int]]  # (noise_multiplier, sample_rate, steps), as Opacus stores it
 NEIGHBORING_RELATIONS = ("add_remove", "replace_one")
@@ -47,10 +49,10 @@ GDP_REFUSED = ("the 'gdp' accountant is refused: its central-limit approximation
                "under-reports ε for DP-SGD (e.g. 0.47 for a true 1.69 at σ=0.9, q=0.05, 3 steps). Use 'pld' "
                "(default), 'prv' or 'rdp'.")
 REFUSED = {"gdp": GDP_REFUSED}  # name: why it is refused
-# dp_accounting's privacy-loss grid for `pld`. Its pessimistic estimate rounds every loss up to the grid, so a coarser
-# grid only raises ε: 1e-3 reports at most ~0.1 % above dp_accounting's finer default (1e-4) and calibrates 5-10×
-# faster (measured on histories of 3 to 1000 steps; tests/test_accounting.py checks it is never below).
-PLD_DISCRETIZATION = 1e-3
+# PLD_DISCRETIZATION (attack_rates.py): dp_accounting's privacy-loss grid for `pld`. Its pessimistic estimate rounds
+# every loss up to the grid, so a coarser grid only raises ε: 1e-3 reports at most ~0.1 % above dp_accounting's finer
+# default (1e-4) and calibrates 5-10× faster (measured on histories of 3 to 1000 steps; tests/test_accounting.py
+# checks it is never below).
 # What a new accountant is checked on: GDP's counter-example (0.47 reported, 1.69 true) and two phases.
 REFERENCE_HISTORIES = (((0.9, 0.05, 3),), ((1.0, 0.1, 5), (2.0, 0.2, 3)))
 REFERENCE_DELTA = 1e-5
@@ -64,15 +66,17 @@ class Accountant:
     source: str  # who computes it (messages, the model card): "dp_accounting", "Opacus", ...
 
 
-ACCOUNTANTS: dict[str, Accountant] = {}  # in registration order: messages list them so
+ACCOUNTANTS = Registry("accountant", DPConfigError)  # in registration order: messages list them so
 
 
-def register_accountant(name: str, neighboring=("add_remove",), source: str = "user"):
+def register_accountant(name: str, neighboring=("add_remove",), source: str = "user", *, replace: bool = False):
     """Decorator: register `epsilon(history, delta, neighboring) -> float` as accountant `name`, for the relations in
     `neighboring`. Refused (DPConfigError) if it reports less than a lower bound of the true ε on
     `REFERENCE_HISTORIES` (dp_accounting's optimistic privacy loss distribution, which rounds every loss down)."""
     def register(epsilon):
         entry = _entry(name, epsilon, neighboring, source)
+        if name in ACCOUNTANTS and not replace:  # before the reference check: refused whatever it reports
+            ACCOUNTANTS.add(name, entry)
         for relation in entry.neighboring:
             for history in REFERENCE_HISTORIES:
                 reported = float(epsilon(history, REFERENCE_DELTA, relation))
@@ -82,7 +86,7 @@ def register_accountant(name: str, neighboring=("add_remove",), source: str = "u
                         f"register_accountant({name!r}): ε = {reported:.4g} for {list(history)} (σ, q, steps) at "
                         f"δ={REFERENCE_DELTA:g}, {relation} neighbours, is below {floor:.4g}, a lower bound of the "
                         "true ε (dp_accounting's optimistic PLD): not an upper bound, refused.")
-        ACCOUNTANTS[name] = entry
+        ACCOUNTANTS.add(name, entry, replace=replace)
         return epsilon
 
     return register
@@ -102,11 +106,9 @@ def check_accountant(accountant: str, neighboring: str = "add_remove") -> None:
     """Raise `ValueError` naming the fix unless (accountant, neighbouring relation) is one this library reports."""
     if accountant in REFUSED:
         raise DPConfigError(REFUSED[accountant])
-    if accountant not in ACCOUNTANTS:
-        raise DPConfigError(f"unknown accountant {accountant!r}; use one of {tuple(ACCOUNTANTS)}.")
+    entry = ACCOUNTANTS.lookup(accountant)
     if neighboring not in NEIGHBORING_RELATIONS:
         raise DPConfigError(f"unknown neighbouring relation {neighboring!r}; use one of {NEIGHBORING_RELATIONS}.")
-    entry = ACCOUNTANTS[accountant]
     if neighboring not in entry.neighboring:
         able = " or ".join(f"{a.name!r} ({a.source})" for a in ACCOUNTANTS.values() if neighboring in a.neighboring)
         raise DPConfigError(f"neighboring={neighboring!r} needs accountant={able}; the {accountant!r} accountant "
@@ -133,19 +135,7 @@ def _words(relation: str) -> str:
 @functools.lru_cache(maxsize=16)
 def _lower_bound(history: tuple, neighboring: str) -> float:
     """A lower bound of the true ε: dp_accounting's privacy loss distribution with its optimistic rounding."""
-    import dp_accounting
-    from dp_accounting.pld import privacy_loss_distribution as pld
-
-    relation = dp_accounting.NeighboringRelation
-    total = None
-    for sigma, q, steps in history:
-        step = pld.from_gaussian_mechanism(
-            sigma, pessimistic_estimate=False, value_discretization_interval=PLD_DISCRETIZATION, sampling_prob=q,
-            use_connect_dots=False,  # connect-the-dots has no optimistic rounding
-            neighboring_relation=relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE)
-        step = step.self_compose(steps)
-        total = step if total is None else total.compose(step)
-    return float(total.get_epsilon_for_delta(REFERENCE_DELTA))
+    return float(gaussian_pld(history, neighboring, pessimistic=False).get_epsilon_for_delta(REFERENCE_DELTA))
 
 
 # ---- the built-in accountants (their checks: tests/test_accounting.py, against dp_accounting) ------------------
@@ -180,5 +170,5 @@ def _full_batch(history: History):
 # Registered without the reference check (it would import dp_accounting and cost a third of a second at every import;
 # the tests check more histories); the order is the one messages list them in.
 for _name in ("prv", "rdp"):
-    ACCOUNTANTS[_name] = _entry(_name, functools.partial(_opacus_epsilon, _name), ("add_remove",), "Opacus")
-ACCOUNTANTS["pld"] = _entry("pld", _pld_epsilon, NEIGHBORING_RELATIONS, "dp_accounting")
+    ACCOUNTANTS.add(_name, _entry(_name, functools.partial(_opacus_epsilon, _name), ("add_remove",), "Opacus"))
+ACCOUNTANTS.add("pld", _entry("pld", _pld_epsilon, NEIGHBORING_RELATIONS, "dp_accounting"))

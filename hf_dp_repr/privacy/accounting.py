@@ -29,7 +29,6 @@ import math
 
 from opacus.accountants.utils import MAX_SIGMA
 
-from .._moved import moved_attribute
 from ..errors import ArgumentError, OutOfReachError
 from .accountants import (  # noqa: F401 (ACCOUNTANTS, NEIGHBORING_RELATIONS, GDP_REFUSED: importable from here)
     ACCOUNTANTS,
@@ -161,8 +160,3 @@ def _round_up(x: float) -> float:
     scale = 10 ** (math.floor(math.log10(x)) - 1)
     return math.ceil(x / scale) * scale
 
-
-def __getattr__(name: str):
-    # PrivacyPlan, PrivacyLedger, Phase and LEDGER_FILE live in ledger.py (which imports this module): still
-    # importable from here, with a DeprecationWarning.
-    return moved_attribute(__name__, name)

@@ -27,21 +27,21 @@ from torch import nn
 from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 
 from ..errors import DPConfigError
+from ..registry import Registry
 from .batch_rows import ExampleRows
 from .ghost_clipping import GhostClippingEngine, unsupported_reason
-from .grad_samplers import opt_positions_pre_hook
 from .ledger import PrivacyPlan
-from .registry import add_entry
+from .modules.embedding import opt_positions_pre_hook
 from .sharding import is_sharded
 from .units import ROW
 
-CLIPPERS: dict[str, type] = {}  # name -> clipper class, in order of preference
+CLIPPERS = Registry("clipper")  # name -> clipper class, in order of preference
 
 
-def register_clipper(name: str):
+def register_clipper(name: str, *, replace: bool = False):
     """Class decorator: register a clipper under `name` (see the module docstring)."""
     def register(cls):
-        add_entry(CLIPPERS, "clipper", name, cls)
+        CLIPPERS.add(name, cls, replace=replace)
         cls.name = name
         return cls
     return register

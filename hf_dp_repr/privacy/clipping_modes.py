@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import add_entry, entry
+from ..registry import Registry
 
 AUTOMATIC_CLIPPING_GAMMA = 0.01  # stability constant γ of Bu et al. (2023), "Automatic clipping"
 
@@ -42,19 +42,20 @@ class ClippingMode:
     help: str = ""
 
 
-CLIPPING_MODES: dict[str, ClippingMode] = {}  # in registration order: the order the arguments list them
+CLIPPING_MODES = Registry("clipping mode")  # in registration order: the order the arguments list them
 
 
-def register_clipping_mode(name: str, *, private: bool = True, help: str = "") -> Callable[[Factors], Factors]:
+def register_clipping_mode(name: str, *, private: bool = True, help: str = "", replace: bool = False
+                           ) -> Callable[[Factors], Factors]:
     """Register `factors(norms, max_grad_norm) -> factors` as clipping mode `name` (see the module docstring)."""
     def register(factors: Factors) -> Factors:
-        add_entry(CLIPPING_MODES, "clipping mode", name, ClippingMode(name, factors, private, help))
+        CLIPPING_MODES.add(name, ClippingMode(name, factors, private, help), replace=replace)
         return factors
     return register
 
 
 def clipping_mode(name: str) -> ClippingMode:
-    return entry(CLIPPING_MODES, "clipping", name)
+    return CLIPPING_MODES.lookup(name)
 
 
 def clip_factors(name: str, norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:

@@ -41,7 +41,7 @@ Example (a rule for a new module type; its norms equal those of per-example grad
     >>> torch.allclose(norms, torch.stack(brute))
     True
     >>> engine.remove()
-    >>> _ = GHOST_RULES.pop()  # registrations last for the process: this example removes its own
+    >>> del GHOST_RULES[Gain]  # registrations last for the process: this example removes its own
 """
 
 from __future__ import annotations
@@ -50,14 +50,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModule
 from torch import nn
-from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
-from transformers.pytorch_utils import Conv1D
 
 from ..errors import NotPrivatizableError
-from .grad_samplers import opt_position_ids
+from ..registry import Registry
 from .sharding import base_type
 
 
@@ -77,16 +74,18 @@ class GhostRule:
     inputs: Callable[[nn.Module, tuple, dict], tuple] = _positional
 
 
-GHOST_RULES: list[GhostRule] = []  # in the order they are tried
+GHOST_RULES = Registry("ghost rule")  # match (a type or a predicate) -> GhostRule, in the order they are tried
 
 
-def register_ghost_rule(match, *, unsupported=None, inputs=None):
+def register_ghost_rule(match, *, unsupported=None, inputs=None, replace: bool = False):
     """Decorator: register `pieces(module, inputs, grad, trained)` for the modules `match` matches (a type, or a
-    predicate on the module), after the rules registered before it."""
+    predicate on the module), after the rules registered before it; a second rule for the same `match` is refused
+    unless `replace`."""
     matches = _same_forward(match) if isinstance(match, type) else match
 
     def register(pieces):
-        GHOST_RULES.append(GhostRule(matches, pieces, unsupported or _supported, inputs or _positional))
+        GHOST_RULES.add(match, GhostRule(matches, pieces, unsupported or _supported, inputs or _positional),
+                        replace=replace)
         return pieces
 
     return register
@@ -98,7 +97,7 @@ def _same_forward(cls: type) -> Callable[[nn.Module], bool]:
 
 def rule_for(module: nn.Module) -> GhostRule | None:
     """The first rule that matches `module`, else Opacus' registered rule for its exact type, else None."""
-    for rule in GHOST_RULES:
+    for rule in GHOST_RULES.values():
         if rule.matches(module):
             return rule
     return OPACUS_RULE if base_type(module) in GradSampleModule.GRAD_SAMPLERS else None
@@ -144,82 +143,6 @@ class OneHot:
 
     def __init__(self, ids: torch.Tensor, rows: int):
         self.ids, self.rows = ids.reshape(ids.shape[0], -1), rows
-
-
-def patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """Conv2d inputs unfolded to (B, C·kh·kw, L). A patch embedding (stride = kernel, no padding) is a reshape,
-    where F.unfold (im2col) took a third of the norm time of a ViT on CPU."""
-    (kh, kw), (h, w) = conv.kernel_size, x.shape[-2:]
-    if (tuple(conv.stride) == (kh, kw) and tuple(conv.padding) == (0, 0) and tuple(conv.dilation) == (1, 1)
-            and h % kh == 0 and w % kw == 0):
-        b, c = x.shape[:2]
-        x = x.reshape(b, c, h // kh, kh, w // kw, kw).permute(0, 1, 3, 5, 2, 4)
-        return x.reshape(b, c * kh * kw, (h // kh) * (w // kw))
-    return F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
-
-
-# ---- the built-in rules -------------------------------------------------------------------------------------
-@register_ghost_rule(nn.Linear)
-def linear_pieces(module, inputs, grad, trained):
-    """y = x Wᵀ + b: G = Σ_t g_t ⊗ a_t."""
-    a, g = rows(inputs[0]), rows(grad)
-    return [(module.weight, "factors", g, a)] + ([(module.bias, "explicit", g.sum(1))] if module.bias in trained
-                                                  else [])
-
-
-@register_ghost_rule(Conv1D)
-def conv1d_pieces(module, inputs, grad, trained):
-    """transformers' Conv1D, y = x W + b with W stored (in, out): G = Σ_t a_t ⊗ g_t."""
-    a, g = rows(inputs[0]), rows(grad)
-    return [(module.weight, "factors", a, g)] + ([(module.bias, "explicit", g.sum(1))] if module.bias in trained
-                                                  else [])
-
-
-def _embedding_unsupported(module) -> str | None:
-    return "uses max_norm or sparse gradients" if module.max_norm is not None or module.sparse else None
-
-
-def embedding_pieces(module, inputs, grad, trained):
-    """inputs[0]: the ids looked up; G = Σ_t onehot(id_t) ⊗ g_t."""
-    g, ids = rows(grad), inputs[0]
-    if module.padding_idx is not None:  # PyTorch gives the padding row no gradient
-        g = g * (ids.reshape(g.shape[0], -1, 1) != module.padding_idx)
-    return [(module.weight, "factors", OneHot(ids, module.num_embeddings), g)]
-
-
-register_ghost_rule(nn.Embedding, unsupported=_embedding_unsupported)(embedding_pieces)
-# OPT's learned positions: an embedding called with the attention mask; the position ids are a keyword
-register_ghost_rule(OPTLearnedPositionalEmbedding, unsupported=_embedding_unsupported,
-                    inputs=lambda module, args, kwargs: (opt_position_ids(module, args, kwargs),))(embedding_pieces)
-
-
-def _conv2d_unsupported(module) -> str | None:
-    if module.groups != 1 or isinstance(module.padding, str) or module.padding_mode != "zeros":
-        return "has groups, string padding or a non-zero padding mode"
-    return None
-
-
-@register_ghost_rule(nn.Conv2d, unsupported=_conv2d_unsupported)
-def conv2d_pieces(module, inputs, grad, trained):
-    """On unfolded patches: G = Σ_l g_l ⊗ patch_l."""
-    a = patches(module, at_least_f32(inputs[0]))
-    g = at_least_f32(grad).flatten(2)
-    return [(module.weight, "factors", g.transpose(1, 2), a.transpose(1, 2))] + (
-        [(module.bias, "explicit", g.sum(2))] if module.bias in trained else [])
-
-
-def is_rms_norm(module: nn.Module) -> bool:
-    """HF's RMSNorm modules (Llama, Mistral, Qwen, T5's T5LayerNorm ...): y = weight · x / rms(x), one scale."""
-    return (type(module).__name__.endswith(("RMSNorm", "T5LayerNorm"))
-            and isinstance(getattr(module, "weight", None), nn.Parameter)
-            and hasattr(module, "variance_epsilon") and len(list(module.parameters(recurse=False))) == 1)
-
-
-@register_ghost_rule(is_rms_norm)
-def rms_norm_pieces(module, inputs, grad, trained):
-    x = at_least_f32(inputs[0])
-    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(inputs[0].dtype)
-    return [(module.weight, "explicit", (rows(grad) * rows(normed)).sum(1))]
 
 
 def opacus_pieces(module, inputs, grad, trained):

@@ -27,9 +27,9 @@ import os
 import warnings
 from dataclasses import asdict, dataclass
 
-from .._moved import REMOVED_IN
 from ..errors import LedgerError, PrivacyBudgetExhaustedError
 from .accounting import History, compute_epsilon, merge_history
+from .attack_rates import AttackRates, attack_rates
 
 LEDGER_FILE = "privacy_ledger.json"
 # Keys of the ledger file computed from the plan and the position; read back only to be checked.
@@ -157,7 +157,7 @@ class PrivacyLedger:
             raise AttributeError(name)
         value = getattr(self.plan, name)  # an AttributeError for a name the plan lacks too
         warnings.warn(f"PrivacyLedger.{name} reads the plan through the ledger; use ledger.plan.{name} (the "
-                      f"forwarding goes in {REMOVED_IN})", DeprecationWarning, stacklevel=2)
+                      "forwarding goes in 0.3)", DeprecationWarning, stacklevel=2)
         return value
 
     @property
@@ -219,6 +219,21 @@ class PrivacyLedger:
                                                      done + again.count(index))],
                                                    plan.target_delta, plan.accountant, plan.neighboring)
         return by_phase
+
+    def attack_rates(self) -> AttackRates:
+        """What the steps taken allow a membership attacker, for the plan's neighbouring relation: the largest TPR
+        at FPR 0.1 %, 1 %, 10 % and the largest advantage (`attack_rates.py`, from this history's PLD)."""
+        return attack_rates(self.history, self.plan.neighboring)
+
+    def summary(self) -> str:
+        """ε spent and what it means for an attacker, in words (the end-of-training log line)."""
+        eps, plan = self.epsilon(), self.plan
+        relation = plan.neighboring.replace("_", "/" if plan.neighboring == "add_remove" else "-")
+        if not math.isfinite(eps):
+            return (f"{self.steps_done} of {plan.planned_steps} DP steps taken: NOT differentially private (ε = ∞, "
+                    "no noise).")
+        return (f"{self.steps_done} of {plan.planned_steps} DP steps taken: (ε = {eps:.4g}, δ = {plan.target_delta:g})"
+                f"-DP for {relation} neighbours ({plan.accountant}); {self.attack_rates().describe()}")
 
     def to_dict(self) -> dict:
         """The ledger file's content: the plan's fields, then the history, the position and ε."""

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from opacus.optimizers.optimizer import _generate_noise
 
-from .registry import add_entry, entry
+from ..registry import Registry
 
 
 @dataclass(frozen=True)
@@ -64,25 +64,26 @@ class NoisySum:
 
 Reduction = Callable[[NoisySum], list[torch.Tensor]]  # the released gradient of each parameter (float32)
 Fold = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (p, a micro-batch's clipped sum) -> what is kept
-REDUCTIONS: dict[str, Reduction] = {}
+REDUCTIONS = Registry("reduction")
 
 
 def keep_whole(p: torch.nn.Parameter, clipped_sum: torch.Tensor) -> torch.Tensor:
     return clipped_sum
 
 
-def register_reduction(name: str, fold: Fold = keep_whole) -> Callable[[Reduction], Reduction]:
+def register_reduction(name: str, fold: Fold = keep_whole, *, replace: bool = False
+                       ) -> Callable[[Reduction], Reduction]:
     """Register a strategy under `name`; `fold`: what a process keeps of each micro-batch's clipped sum (see the
     module docstring). The step function gets it as its `fold` attribute."""
     def register(strategy: Reduction) -> Reduction:
-        add_entry(REDUCTIONS, "reduction", name, strategy)
+        REDUCTIONS.add(name, strategy, replace=replace)
         strategy.fold = fold
         return strategy
     return register
 
 
 def reduction(name: str) -> Reduction:
-    return entry(REDUCTIONS, "reduction", name)
+    return REDUCTIONS.lookup(name)
 
 
 @register_reduction("ddp")

@@ -12,7 +12,6 @@ from torch.utils.data import IterableDataset
 from transformers.models.vit.modeling_vit import ViTEmbeddings
 
 from .. import errors
-from .._moved import moved_attribute
 from ..errors import DataError
 from .sharding import base_type
 
@@ -93,7 +92,3 @@ def check_one_row_per_example(batch: dict, n_examples: int) -> None:
             raise DataError(f"DPTrainer: `position_ids` restart inside a row: several examples are packed into one "
                             f"row. {fix}")
 
-
-def __getattr__(name: str):
-    # NotPrivatizableError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
-    return moved_attribute(__name__, name)

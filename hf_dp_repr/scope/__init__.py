@@ -3,11 +3,8 @@
 initialisation (`head_init`), LoRA through peft (`lora`), and the caches of a frozen part's outputs: a linear probe's
 features (`cached_head`), the states entering the first trained block (`prefix_cache`), both kept in memory or on
 disk (`feature_store`). It needs nothing of privacy: the privacy stage and the trainer import it, never the reverse.
-
-`hf_dp_repr.scope` serves the scope functions, as before the package was arranged by pipeline stage.
 """
 
-from .._moved import moved_attribute
 from .blocks import Scope, block_stack_name, describe_trainable, find_block_stack, head_modules, select_scope
 from .groups import select_groups
 from .phases import phase_scopes
@@ -15,7 +12,3 @@ from .phases import phase_scopes
 __all__ = ["Scope", "block_stack_name", "describe_trainable", "find_block_stack", "head_modules",
            "phase_scopes", "select_groups", "select_scope"]
 
-
-def __getattr__(name: str):
-    # ScopeError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
-    return moved_attribute(__name__, name)

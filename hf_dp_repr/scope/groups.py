@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import ScopeError
+from ..registry import Registry
 from .blocks import Scope, find_block_stack, head_modules, linear_probe_scope, modules_after, unique_parameters
 
 Stack = tuple[str, nn.ModuleList]  # (dotted name, blocks)
@@ -68,27 +69,27 @@ class Group:
     may_be_empty: bool
 
 
-BLOCK_SELECTORS: dict[str, BlockSelector] = {}  # by example, in registration order (the error lists them so)
-GROUPS: dict[str, Group] = {}
+BLOCK_SELECTORS = Registry("block selector", ScopeError)  # by example, in registration order (errors list them so)
+GROUPS = Registry("group", ScopeError)
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
 
 
-def register_block_selector(pattern: str, example: str):
+def register_block_selector(pattern: str, example: str, *, replace: bool = False):
     """Decorator: `pick(match, depth, stack_name)` gives the block indices (0..depth-1, or negative from the end)
     of a selector that fully matches the regex `pattern`; it raises `ScopeError` naming the selector when it cannot
     apply to `depth` blocks. `example` is how the error message and the README spell it."""
     def register(pick):
-        BLOCK_SELECTORS[example] = BlockSelector(re.compile(pattern), example, pick)
+        BLOCK_SELECTORS.add(example, BlockSelector(re.compile(pattern), example, pick), replace=replace)
         return pick
     return register
 
 
-def register_group(name: str, needs_stack: bool = False, may_be_empty: bool = False):
+def register_group(name: str, needs_stack: bool = False, may_be_empty: bool = False, *, replace: bool = False):
     """Decorator: `select(model, stack)` gives (parameters, description) of the group `name`; `stack` is the
     (name, ModuleList) of the block stack when `needs_stack`, else None. A group that selects nothing is refused
     (a typo or a model without such parameters) unless `may_be_empty`."""
     def register(select):
-        GROUPS[name] = Group(name, select, needs_stack, may_be_empty)
+        GROUPS.add(name, Group(name, select, needs_stack, may_be_empty), replace=replace)
         return select
     return register
 

@@ -21,6 +21,7 @@ from ..errors import DPConfigError, ScopeError
 from ..privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant, default_neighboring
 from ..privacy.clippers import CLIPPERS
 from ..privacy.clipping_modes import CLIPPING_MODES
+from ..registry import Choices
 from ..scope.groups import parse_groups
 from ..scope.head_init import HEAD_INITS, check_head_init
 from .argument_checks import (
@@ -33,9 +34,10 @@ from .argument_checks import (
     validate_lp_fields,
 )
 from .argument_fields import check_refused_fields
+from .continual import SWITCHES
 from .sharding import check_processes, sharding_request
 
-CLIPPING_ENGINES = ("auto", *CLIPPERS)  # "ghost", "hooks": privacy.clippers
+CLIPPING_ENGINES = Choices("auto", registry=CLIPPERS)  # "ghost", "hooks" and any registered later: privacy.clippers
 
 # Hub strategies that exist to push resumable checkpoints: trainer_state.json (the loss of every logged step, computed
 # on private data), optimizer and RNG state, training_args.bin. A checkpoint without them would not resume.
@@ -199,7 +201,7 @@ class DPTrainingArguments(TrainingArguments):
                   "'fixed' (after public_max_steps), 'decelerator' (when seed 004's decelerator σ²C²tr(H)/B² falls to "
                   "decelerator_threshold × ḡᵀHḡ, the curvature along the clipped gradient) or 'plateau' (public eval "
                   "loss).",
-                  "choices": ("fixed", "decelerator", "plateau")},
+                  "choices": SWITCHES},
     )
     public_max_steps: int = field(default=0, metadata={
         "help": "Non-private steps on the public training set: the switch step ('fixed') or the most before it."})
@@ -284,7 +286,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
     check_head_init(args.head_init)
     if args.clipping_engine not in CLIPPING_ENGINES:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping_engine {args.clipping_engine!r}; use one of "
-                            f"{CLIPPING_ENGINES}.")
+                            f"{tuple(CLIPPING_ENGINES)}.")
     if args.clipping not in CLIPPING_MODES:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of "
                             f"{tuple(CLIPPING_MODES)}.")
@@ -302,9 +304,8 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
         parse_groups(args.trainable_groups)  # unknown names fail here, before any work
     validate_lp_fields(args)
     check_privacy_unit(args)
-    if args.public_switch not in ("fixed", "decelerator", "plateau"):
-        raise DPConfigError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use 'fixed', 'decelerator' "
-                            "or 'plateau'.")
+    if args.public_switch not in SWITCHES:
+        raise DPConfigError(f"DPTrainingArguments: public_switch={args.public_switch!r}; use one of {SWITCHES}.")
     for name in ("public_max_steps", "public_check_steps", "hessian_probes", "hessian_max_examples",
                  "public_plateau_patience"):
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):

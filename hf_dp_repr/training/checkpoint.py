@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from .. import errors
-from .._moved import moved_attribute
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -188,7 +187,3 @@ def _raise_if_any(problems: dict[str, list[str]], source: str) -> None:
         "(and the same transformers/peft versions)."
     )
 
-
-def __getattr__(name: str):
-    # CheckpointMismatchError lives in hf_dp_repr.errors; still importable from here, with a DeprecationWarning.
-    return moved_attribute(__name__, name)

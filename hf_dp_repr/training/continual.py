@@ -57,15 +57,15 @@ class _SwitchCallback(TrainerCallback):
         trace, stderr = model_trace(model, self.batch, self.args.hessian_probes, gen)
         phase = self.plan.phases[0]
         entry = dict(phase="public", step=step, hessian_trace=trace, hessian_trace_stderr=stderr,
-                     decelerator=decelerator(trace, phase.noise_multiplier, self.args.per_sample_max_grad_norm,
+                     decelerator=decelerator(trace, phase.noise_multiplier, self.plan.per_sample_max_grad_norm,
                                              phase.expected_batch_size))
         if self.args.public_switch == "decelerator":
-            first, along = clipped_gradient_terms(model, self.batch, self.args.per_sample_max_grad_norm)
+            first, along = clipped_gradient_terms(model, self.batch, self.plan.per_sample_max_grad_norm)
             entry["first_order_decrease"], entry["curvature_along_gradient"] = first, along
             # the upper end of tr(H)'s ~95 % interval: a noisy estimate (near an indefinite Hessian) does not switch
             entry["decelerator_ratio"] = decelerator_ratio(
                 max(0.0, trace + 2 * stderr), along, noise_multiplier=phase.noise_multiplier,
-                max_grad_norm=self.args.per_sample_max_grad_norm, expected_batch=phase.expected_batch_size)
+                max_grad_norm=self.plan.per_sample_max_grad_norm, expected_batch=phase.expected_batch_size)
             if entry["decelerator_ratio"] <= self.args.decelerator_threshold:
                 control.should_training_stop = True
         self.record["history"].append(entry)
@@ -132,11 +132,12 @@ class PrivatePhaseCurvature(TrainerCallback):
         gen = torch.Generator().manual_seed(10**6 + state.global_step)
         trace, stderr = model_trace(self.trainer.model, self.batch, args.hessian_probes, gen,
                                     self.trainer.engine.clipper)
-        phase = self.trainer.ledger.plan.phases[-1]
+        plan = self.trainer.ledger.plan
+        phase = plan.phases[-1]
         self.record["history"].append(dict(
             phase="private", step=self.record["switch_step"] + state.global_step, private_step=state.global_step,
             hessian_trace=trace, hessian_trace_stderr=stderr, epsilon=self.trainer.epsilon(),
-            decelerator=decelerator(trace, phase.noise_multiplier, args.per_sample_max_grad_norm,
+            decelerator=decelerator(trace, phase.noise_multiplier, plan.per_sample_max_grad_norm,
                                     phase.expected_batch_size)))
         return control
 

@@ -95,6 +95,13 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
     logger.info("\n".join(lines))
 
 
+def announce_spent(ledger: PrivacyLedger | None) -> None:
+    """Log, at the end of training, ε spent and what it means for a membership attacker (`PrivacyLedger.summary`);
+    computed only when INFO lines are shown (a privacy loss distribution: a fraction of a second)."""
+    if ledger is not None and logger.isEnabledFor(std_logging.INFO):
+        logger.info(f"DPTrainer: {ledger.summary()}")
+
+
 def follow_log_level(args) -> None:
     """As the Trainer sets transformers' verbosity from `log_level` (main process) / `log_level_replica`, set the
     `hf_dp_repr` loggers' level; with the default "passive" they keep what the program configured."""

@@ -19,14 +19,15 @@ import importlib
 from typing import Callable
 
 from ..errors import DPConfigError
+from ..registry import Registry
 
 # name → the backend, or "module:function" until its first use
-SEARCH_BACKENDS: dict[str, Callable | str] = {}
+SEARCH_BACKENDS = Registry("search backend", DPConfigError)
 
 
-def register_search_backend(name: str, backend: Callable | str) -> None:
+def register_search_backend(name: str, backend: Callable | str, *, replace: bool = False) -> None:
     """Make `backend` (a callable, or "module:function" imported at its first use) the search run for `name`."""
-    SEARCH_BACKENDS[name] = backend
+    SEARCH_BACKENDS.add(name, backend, replace=replace)
 
 
 def search_backend(name: str) -> Callable:

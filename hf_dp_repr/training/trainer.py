@@ -58,7 +58,7 @@ from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
 from .features import DPFeatureCacheMixin, FeatureCaches
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
-from .report import DPPrivacyReportMixin, announce_plan, follow_log_level
+from .report import DPPrivacyReportMixin, announce_plan, announce_spent, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
 from .search import DPSearchMixin
@@ -361,6 +361,8 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
             for hook in self.run_hooks:
                 hook(self, state)
         output.metrics["epsilon"] = self.epsilon()
+        if self.is_world_process_zero():
+            announce_spent(self.ledger)
         if self.continual_record is not None:
             finish_record(self)
         return output

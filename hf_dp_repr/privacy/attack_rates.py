@@ -1,0 +1,117 @@
+"""What a DP guarantee means for an attacker: the largest true-positive rate (TPR) any membership test can reach at
+a given false-positive rate (FPR), and the largest advantage TPR − FPR, computed from the run's own privacy profile.
+
+A test sees the released model and guesses whether one example (one unit) was in the training set, for the
+neighbouring relation the guarantee states (replace-one: the dataset had this example or another one in its place;
+add/remove: the dataset had it or not). Differential privacy bounds every such test at once: its trade-off curve
+(Dong, Roth & Su 2019, f-DP) is computed here from the privacy loss distribution of the DP-SGD history (σ, q,
+steps per phase; dp_accounting's PLD with pessimistic rounding, so each bound is an upper bound) by riskcal
+(Kulynych et al. 2024, Algorithm 1). Unlike the (ε, δ) pair alone, this uses the whole curve: at FPR 1 % a test on
+a run with ε = 8 can reach far less than the e^ε·FPR + δ the pair alone allows.
+
+For one Gaussian mechanism of sensitivity 1 (σ, q = 1, one step, add/remove) the bound is the closed form
+TPR = Φ(Φ⁻¹(FPR) + 1/σ); k such steps compose to Φ(Φ⁻¹(FPR) + √k/σ); replace-one doubles the sensitivity.
+
+Imports neither torch nor transformers (`hf-dp-repr privacy` stays light).
+
+Example:
+    >>> rates = attack_rates([(1.0, 1.0, 1)], "add_remove")
+    >>> round(rates.tpr_at_fpr[0.01], 4), round(rates.advantage, 4)
+    (0.0924, 0.3829)
+    >>> for part in rates.describe().split("; "):
+    ...     print(part)
+    a membership test can reach at most TPR 1.83 % at FPR 0.1 %, 9.24 % at 1 %, 38.9 % at 10 %
+    advantage (TPR − FPR) at most 38.3 %
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+ATTACK_FPRS = (0.001, 0.01, 0.1)  # the false-positive rates reported
+# dp_accounting's privacy-loss grid (also `accountants.PLD_DISCRETIZATION`): its pessimistic rounding raises every loss
+# to the grid, so a coarser grid only raises the bounds.
+PLD_DISCRETIZATION = 1e-3
+
+
+@dataclass(frozen=True)
+class AttackRates:
+    """Upper bounds on what a membership test can reach: TPR at each FPR of `ATTACK_FPRS`, and max TPR − FPR."""
+
+    tpr_at_fpr: dict[float, float]
+    advantage: float
+    neighboring: str
+    source: str = "privacy loss distribution"  # or "(ε, δ)" when only the pair is known (a private search)
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{_percent(tpr)} at {_percent(fpr)}" if i else f"TPR {_percent(tpr)} at FPR {_percent(fpr)}"
+                          for i, (fpr, tpr) in enumerate(self.tpr_at_fpr.items()))
+        return (f"a membership test can reach at most {rates}; advantage (TPR − FPR) at most "
+                f"{_percent(self.advantage)}")
+
+    def to_dict(self) -> dict:
+        return {"neighboring": self.neighboring, "source": self.source, "advantage": self.advantage,
+                "tpr_at_fpr": {f"{fpr:g}": tpr for fpr, tpr in self.tpr_at_fpr.items()}}
+
+
+def _percent(p: float) -> str:
+    return f"{100 * p:.3g} %" if p < 1 else "100 %"
+
+
+def gaussian_pld(history, neighboring: str, pessimistic: bool = True):
+    """dp_accounting's privacy loss distribution of DP-SGD's history [(σ, q, steps), ...] (Poisson-subsampled
+    Gaussian steps, composed), for "add_remove" or "replace_one" neighbours. `pessimistic`: every loss rounded up
+    (an upper bound of the true curve); False: rounded down (a lower bound, `accountants._lower_bound`)."""
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    relation = dp_accounting.NeighboringRelation
+    total = None
+    for sigma, q, steps in history:
+        step = pld.from_gaussian_mechanism(
+            sigma, pessimistic_estimate=pessimistic, value_discretization_interval=PLD_DISCRETIZATION,
+            sampling_prob=q, use_connect_dots=pessimistic,  # connect-the-dots has no optimistic rounding
+            neighboring_relation=relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE)
+        step = step.self_compose(int(steps))
+        total = step if total is None else total.compose(step)
+    return total
+
+
+def attack_rates(history, neighboring: str) -> AttackRates:
+    """The bounds for a DP-SGD history [(σ, q, steps), ...] (every σ > 0; σ = 0 or no step: 1 and 0)."""
+    history = tuple((float(s), float(q), int(t)) for s, q, t in history if int(t) > 0)
+    return _attack_rates(history, neighboring)
+
+
+@functools.lru_cache(maxsize=32)
+def _attack_rates(history: tuple, neighboring: str) -> AttackRates:
+    if not history:  # nothing released that saw the data
+        return AttackRates(dict(zip(ATTACK_FPRS, ATTACK_FPRS)), 0.0, neighboring)
+    if any(sigma <= 0 for sigma, _, _ in history):  # no noise: a test can be perfect
+        return AttackRates({fpr: 1.0 for fpr in ATTACK_FPRS}, 1.0, neighboring)
+    from riskcal.analysis import get_advantage_from_pld, get_beta_from_pld
+
+    pld = gaussian_pld(history, neighboring)
+    fnr = np.atleast_1d(get_beta_from_pld(pld, alpha=np.array(ATTACK_FPRS)))
+    tpr = {fpr: _clip(1.0 - float(b), fpr) for fpr, b in zip(ATTACK_FPRS, fnr)}
+    return AttackRates(tpr, _clip(float(get_advantage_from_pld(pld)), 0.0), neighboring)
+
+
+def attack_rates_from_epsilon(epsilon: float, delta: float, neighboring: str) -> AttackRates:
+    """The bounds an (ε, δ) pair alone gives (looser than a profile's): TPR ≤ min(e^ε·FPR + δ,
+    1 − e^−ε·(1 − δ − FPR)), advantage ≤ (e^ε − 1 + 2δ) / (e^ε + 1). For a guarantee known only as a pair, e.g. a
+    private hyperparameter search's."""
+    if not math.isfinite(epsilon):
+        return AttackRates({fpr: 1.0 for fpr in ATTACK_FPRS}, 1.0, neighboring, "(ε, δ)")
+    e = math.exp(epsilon)
+    tpr = {fpr: _clip(min(e * fpr + delta, 1 - (1 - delta - fpr) / e), fpr) for fpr in ATTACK_FPRS}
+    return AttackRates(tpr, _clip((e - 1 + 2 * delta) / (e + 1), 0.0), neighboring, "(ε, δ)")
+
+
+def _clip(p: float, low: float) -> float:
+    """Into [low, 1]: no test does worse than guessing at its FPR, and float error can pass 1."""
+    return min(1.0, max(low, p))

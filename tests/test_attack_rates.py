@@ -1,0 +1,100 @@
+"""What a guarantee means for a membership attacker (privacy/attack_rates.py): checked against the closed forms of
+the Gaussian mechanism, alone and composed, and shown wherever ε is (ledger summary, CLI, card, end-of-training log)."""
+
+import ast
+import json
+import math
+import pathlib
+
+import pytest
+from scipy.stats import norm
+
+from hf_dp_repr.privacy.accounting import compute_epsilon
+from hf_dp_repr.privacy.attack_rates import ATTACK_FPRS, attack_rates, attack_rates_from_epsilon
+
+TOL = 2e-3  # the pessimistic PLD grid (1e-3 in the privacy loss) raises the bounds by at most this much here
+
+
+def gaussian_tpr(fpr: float, mu: float) -> float:
+    """μ-GDP's trade-off curve: the exact largest TPR at `fpr` for N(0, 1) against N(μ, 1)."""
+    return float(norm.cdf(norm.ppf(fpr) + mu))
+
+
+def assert_gaussian(rates, mu):
+    for fpr in ATTACK_FPRS:
+        exact = gaussian_tpr(fpr, mu)
+        assert exact - 1e-6 <= rates.tpr_at_fpr[fpr] <= exact + TOL, (fpr, rates.tpr_at_fpr[fpr], exact)
+    exact_advantage = 2 * norm.cdf(mu / 2) - 1
+    assert exact_advantage - 1e-6 <= rates.advantage <= exact_advantage + TOL
+
+
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 3.0])
+def test_one_gaussian_mechanism_is_the_closed_form(sigma):
+    """Sensitivity 1 (add/remove, q = 1, one step): TPR = Φ(Φ⁻¹(FPR) + 1/σ); replace-one moves the sum by 2C."""
+    assert_gaussian(attack_rates([(sigma, 1.0, 1)], "add_remove"), 1 / sigma)
+    assert_gaussian(attack_rates([(sigma, 1.0, 1)], "replace_one"), 2 / sigma)
+
+
+def test_composition_of_several_gaussian_mechanisms():
+    """k steps of σ, then m of σ': μ = √(k/σ² + m/σ'²), the exact composition of Gaussian mechanisms."""
+    assert_gaussian(attack_rates([(2.0, 1.0, 9)], "add_remove"), 3 / 2.0)
+    assert_gaussian(attack_rates([(2.0, 1.0, 4), (4.0, 1.0, 12)], "add_remove"), math.sqrt(4 / 4 + 12 / 16))
+    # more steps never help the defender
+    a, b = attack_rates([(1.0, 0.01, 100)], "replace_one"), attack_rates([(1.0, 0.01, 1000)], "replace_one")
+    assert all(a.tpr_at_fpr[f] < b.tpr_at_fpr[f] for f in ATTACK_FPRS) and a.advantage < b.advantage
+
+
+def test_subsampled_bounds_are_within_what_epsilon_delta_allows_and_tighter():
+    """A profile's bound is never looser than its own (ε, δ) pair's, and at ε ≈ 2.5 much tighter at low FPR."""
+    history, delta = [(1.1, 0.01, 1000)], 1e-5
+    eps = compute_epsilon(history, delta, "pld", "replace_one")
+    profile = attack_rates(history, "replace_one")
+    pair = attack_rates_from_epsilon(eps, delta, "replace_one")
+    for fpr in ATTACK_FPRS:
+        assert fpr <= profile.tpr_at_fpr[fpr] <= min(1.0, math.exp(eps) * fpr + delta) + 1e-9
+        assert profile.tpr_at_fpr[fpr] <= pair.tpr_at_fpr[fpr]
+    assert profile.tpr_at_fpr[0.01] < 0.5 * pair.tpr_at_fpr[0.01]
+    assert profile.advantage <= pair.advantage
+
+
+def test_no_noise_and_no_step():
+    none = attack_rates([(0.0, 0.1, 5)], "replace_one")
+    assert set(none.tpr_at_fpr.values()) == {1.0} and none.advantage == 1.0
+    untouched = attack_rates([], "replace_one")
+    assert untouched.tpr_at_fpr == {f: f for f in ATTACK_FPRS} and untouched.advantage == 0.0
+    assert attack_rates_from_epsilon(math.inf, 1e-5, "replace_one").advantage == 1.0
+
+
+def test_the_module_imports_neither_torch_nor_transformers():
+    """`hf-dp-repr privacy` computes it: only numpy, dp_accounting and riskcal (and the standard library)."""
+    tree = ast.parse((pathlib.Path(__file__).parents[1] / "hf_dp_repr/privacy/attack_rates.py").read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    assert names <= {"__future__", "functools", "math", "dataclasses", "numpy", "dp_accounting", "riskcal"}, names
+
+
+def test_the_cli_ledger_summary_and_card_state_them(capsys):
+    from hf_dp_repr.cli import main
+    from hf_dp_repr.hub.card_values import template_values
+    from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
+
+    assert main(["privacy", "--sample-rate", "1", "--noise-multiplier", "2", "--steps", "4", "--delta", "1e-5",
+                 "--neighboring", "add_remove"]) == 0
+    bounds = json.loads(capsys.readouterr().out)["attack_bounds"]
+    assert bounds["neighboring"] == "add_remove"
+    assert bounds["tpr_at_fpr"]["0.01"] == pytest.approx(gaussian_tpr(0.01, 1.0), abs=TOL)
+    assert "TPR 1.83 % at FPR 0.1 %" in bounds["in_words"]
+
+    plan = PrivacyPlan(accountant="pld", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
+                       dataset_size=100, poisson_sampling=True, phases=[Phase("train", 2.0, 1.0, 8, 100)],
+                       neighboring="add_remove")
+    ledger = PrivacyLedger(plan, steps_done=4)
+    assert "for add/remove neighbours (pld); a membership test can reach at most TPR 1.83 % at FPR 0.1 %" \
+        in ledger.summary()
+    # the card states the replace-one guarantee, whatever the plan's relation: 2/σ per step, μ = 2
+    values = template_values(ledger.to_dict(), {}, "all", None, None)
+    rows = dict(values["epsilon_rows"])
+    tpr = rows["largest TPR of any membership test at FPR 0.1 % / 1 % / 10 % (from the run's privacy loss "
+               "distribution)"]
+    assert tpr.split(" / ")[1] == f"{100 * gaussian_tpr(0.01, 2.0):.3g} %"
+    assert "For an attacker, a membership test can reach at most" in values["summary"]
