@@ -33,6 +33,7 @@ from .argument_checks import (
     validate_lp_fields,
 )
 from .argument_fields import check_refused_fields
+from .averaging import check_ema_decay
 from .sharding import check_processes, sharding_request
 
 CLIPPING_ENGINES = ("auto", *CLIPPERS)  # "ghost", "hooks": privacy.clippers
@@ -192,6 +193,13 @@ class DPTrainingArguments(TrainingArguments):
                   "subset drawn with the run's secret randomness); bounds the rows per step when a unit is large. "
                   "None (default): all of its rows."},
     )
+    ema_decay: float | None = field(
+        default=None,
+        metadata={"help": "Weight averaging: release the exponential moving average of the DP iterates (post-"
+                  "processing, no privacy cost) to evaluate, save, checkpoints' model files and pushes; decay "
+                  "min(ema_decay, (1+t)/(10+t)) after noisy step t (e.g. 0.999). None (default): the last iterate. "
+                  "See training.averaging."},
+    )
     # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.training.continual) ----
     public_switch: str = field(
         default="fixed",
@@ -310,6 +318,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
             raise DPConfigError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     validate_cache_fields(args)
+    check_ema_decay(args)
     if args.noise_seed is not None and args.secure_mode:
         raise DPConfigError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
                          "unguessable; drop one of them.")

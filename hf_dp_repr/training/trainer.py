@@ -53,6 +53,7 @@ from . import TRAINER_LOGGER
 from .argument_checks import check_fresh_model, check_one_run
 from .argument_fields import check_refused_fields, train_dataloader_options
 from .arguments import DPTrainingArguments, check_hub_strategy
+from .averaging import DPAveragingMixin, averaging_note
 from .continual import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
@@ -66,7 +67,8 @@ from .sharding import check_trainer, shard_for_training, trainer_init
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
-class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin,
+class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavingMixin,
+                DPEvalOverlapMixin,
                 Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
@@ -224,6 +226,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         self.optimizer = engine.start(self.optimizer, self.model, ledger, several=self._several_rows)
         engine.after_step.append(self._write_spent)
         self._write_spent()
+        self._start_average()  # ema_decay: the average of what this optimizer trains (training.averaging)
         if self.is_world_process_zero():  # once, not once per process
             announce_plan(self.ledger, noise_seed=self.args.noise_seed, max_rows_per_unit=self.args.max_rows_per_unit,
                           model=self.model, block_stack=self.args.block_stack, describe_scope=self.describe_scope,
@@ -265,7 +268,10 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def describe_scope(self, phase: int | None = None) -> str:
-        """What trains, in one line (for a phase index, or the whole run)."""
+        """What trains, in one line (for a phase index, or the whole run: then also what the released weights are)."""
+        return self._scope_text(phase) + ("" if phase is not None else averaging_note(self.args))
+
+    def _scope_text(self, phase: int | None) -> str:
         if has_peft_adapters(self.model):
             trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             return f"PEFT adapters ({type(self.model).__name__}): {trained:,} trainable parameters"
@@ -349,12 +355,14 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
             start_continual(self, path)
         self.features.ready = False  # prepared with the training dataloader, on the model that trains
+        self.weight_average = None  # made with the optimizer (ema_decay)
         self.engine = None  # a new run: its engine (and secret randomness) is made with its training dataloader
         state = "failed"
         try:
             output = super().train(resume_from_checkpoint=path, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             state = "complete"
+            self.finish_average()  # ema_decay: the model holds the averaged weights from now on
         finally:
             if self.engine is not None:
                 self.engine.detach(self.model)
