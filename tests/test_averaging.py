@@ -148,6 +148,7 @@ COMBINATIONS = {
 @pytest.mark.parametrize("name", COMBINATIONS)
 def test_every_scope_engine_and_unit_releases_the_average(name, digits, data, tmp_path):
     from peft import LoraConfig
+
     from utils import user_dataset
 
     train = user_dataset(digits) if name == "privacy unit" else data

@@ -23,6 +23,7 @@ from ..privacy.clippers import CLIPPERS
 from ..privacy.clipping_modes import CLIPPING_MODES
 from ..scope.groups import parse_groups
 from ..scope.head_init import HEAD_INITS, check_head_init
+from .accuracy_checks import check_accuracy_fields
 from .argument_checks import (
     check_one_run,
     check_privacy_unit,
@@ -33,7 +34,6 @@ from .argument_checks import (
     validate_lp_fields,
 )
 from .argument_fields import check_refused_fields
-from .averaging import check_ema_decay
 from .sharding import check_processes, sharding_request
 
 CLIPPING_ENGINES = ("auto", *CLIPPERS)  # "ghost", "hooks": privacy.clippers
@@ -200,6 +200,13 @@ class DPTrainingArguments(TrainingArguments):
                   "min(ema_decay, (1+t)/(10+t)) after noisy step t (e.g. 0.999). None (default): the last iterate. "
                   "See training.averaging."},
     )
+    augmentation_multiplicity: int = field(
+        default=1,
+        metadata={"help": "k views of each sampled example through the training set's own random transform "
+                  "(set_transform / with_transform), fresh at every step; the mean of their gradients is clipped "
+                  "once (De et al. 2022). Same sampling, σ and ε as k = 1; k times the compute. See "
+                  "privacy.augmentation."},
+    )
     # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.training.continual) ----
     public_switch: str = field(
         default="fixed",
@@ -318,7 +325,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
             raise DPConfigError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     validate_cache_fields(args)
-    check_ema_decay(args)
+    check_accuracy_fields(args)  # ema_decay, augmentation_multiplicity, probe_preconditioning
     if args.noise_seed is not None and args.secure_mode:
         raise DPConfigError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
                          "unguessable; drop one of them.")

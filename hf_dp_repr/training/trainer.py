@@ -34,6 +34,7 @@ from transformers.utils import ModelOutput, logging
 
 from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, MissingColumnError, UnsupportedError
 from ..hub.card import ModelCardInfo
+from ..privacy.augmentation import ViewsBatchSampler, ViewsDataset
 from ..privacy.engine import DPEngine
 from ..privacy.grad_samplers import batch_position_ids
 from ..privacy.ledger import PrivacyLedger, PrivacyPlan
@@ -50,6 +51,7 @@ from ..scope.lora import has_peft_adapters
 from ..scope.phases import phase_scopes
 from ..scope.prefix_cache import STATES_KEY, run_from_states, set_frozen_prefix_modes
 from . import TRAINER_LOGGER
+from .accuracy_checks import check_views
 from .argument_checks import check_fresh_model, check_one_run
 from .argument_fields import check_refused_fields, train_dataloader_options
 from .arguments import DPTrainingArguments, check_hub_strategy
@@ -181,8 +183,9 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
                 init_head(self.model, self.args.head_init)
             self._set_scopes(self.model, self.args)
         units = self._unit_rows is not None
+        views = check_views(self.args, self.train_dataset)  # augmentation_multiplicity: k fresh views per example
         if not self.features.ready:  # (sharded: none; cached parts would run outside the sharded root's forward)
-            self.features.prepare(self.model, [] if units or self.sharded else self._scopes, self.args,
+            self.features.prepare(self.model, [] if units or self.sharded or views > 1 else self._scopes, self.args,
                                   self.train_dataset, self._train_dataset_and_collator)
         dataset, collator = self.features.train_inputs(self._train_dataset_and_collator)
         if self.sharded:  # a rank whose micro-batch is empty runs this row, clip factor 0, to join the collectives
@@ -193,6 +196,8 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
                                    log=logger)
         cached = self.features.cached_head is not None
         sampler = self.engine.batch_sampler(self._unit_rows[0] if units and not cached else None)
+        if views > 1:  # each sampled row read k times through the dataset's transform, its views one unit
+            dataset, sampler = ViewsDataset(dataset, self.args.seed), ViewsBatchSampler(sampler, views)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=ExampleBatchCollator(collator),
                           **train_dataloader_options(self.args))
@@ -323,7 +328,8 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
                 else:
                     outputs = model(**inputs)
                 losses = self.per_example_loss(outputs, labels)
-            self.accelerator.backward(losses.sum())
+            # the mean of an example's views (augmentation_multiplicity = k, else 1) is what is clipped
+            self.accelerator.backward(losses.sum() / self.args.augmentation_multiplicity)
         self.engine.after_backward(unit_ids, stand_in)
         if stand_in:
             return torch.zeros((), device=self.args.device)
@@ -338,6 +344,7 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
         self._check_eval_overlap()  # the eval set or the arguments may have changed since init
         if self.train_dataset is not None:  # before any work: labels, the model's inputs, rows that are not examples
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
+            check_views(self.args, self.train_dataset)  # augmentation_multiplicity needs the dataset's transform
             check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
             dataset, collator = self._train_dataset_and_collator()
             self._several_rows = probe_training_rows(self, dataset, ExampleBatchCollator(collator),
