@@ -26,8 +26,8 @@ Example:
     >>> with torch.no_grad():
     ...     _ = w.fill_(1.0)
     >>> avg.update()  # d_0 = min(0.9, 1/10) = 0.1
-    >>> avg.average["w"].tolist()
-    [0.8999999761581543, 0.8999999761581543]
+    >>> [round(v, 6) for v in avg.average["w"].tolist()]  # 0.1 · 0 + 0.9 · 1
+    [0.9, 0.9]
 """
 
 from __future__ import annotations
