@@ -8,6 +8,7 @@ import datasets
 from transformers.utils import logging
 
 from ..errors import DataError, DPConfigError, UnsupportedError
+from ..scope.preconditioning import parse_preconditioning
 from . import TRAINER_LOGGER
 from .averaging import check_ema_decay
 
@@ -19,6 +20,9 @@ def check_accuracy_fields(args) -> None:
     from .sharding import sharding_request
 
     check_ema_decay(args)
+    if parse_preconditioning(args.probe_preconditioning)[0] != "none" and sharding_request(args) is not None:
+        raise UnsupportedError("DPTrainingArguments: probe_preconditioning with FSDP2 sharding is not supported; a "
+                               "linear probe trains a head small enough to run unsharded.")
     k = args.augmentation_multiplicity
     if not isinstance(k, int) or k < 1:
         raise DPConfigError(f"DPTrainingArguments: augmentation_multiplicity={k!r} must be an integer >= 1 (1: no "

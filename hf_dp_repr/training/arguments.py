@@ -207,6 +207,13 @@ class DPTrainingArguments(TrainingArguments):
                   "once (De et al. 2022). Same sampling, σ and ε as k = 1; k times the compute. See "
                   "privacy.augmentation."},
     )
+    probe_preconditioning: str = field(
+        default="none",
+        metadata={"help": "Linear probe only: 'standardize' (per-feature mean and std) or 'pca:K' (standardise, "
+                  "then the top K principal directions) of the head's input, fitted on DPTrainer's "
+                  "public_train_dataset alone (no ε), folded into the saved head; 'none' (default). See "
+                  "scope.preconditioning."},
+    )
     # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.training.continual) ----
     public_switch: str = field(
         default="fixed",

@@ -61,6 +61,7 @@ from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
 from .features import DPFeatureCacheMixin, FeatureCaches
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
+from .preconditioned_probe import DPPreconditioningMixin, check_preconditioning
 from .report import DPPrivacyReportMixin, announce_plan, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
@@ -69,9 +70,8 @@ from .sharding import check_trainer, shard_for_training, trainer_init
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
-class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavingMixin,
-                DPEvalOverlapMixin,
-                Trainer):
+class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin,
+                DPSavingMixin, DPEvalOverlapMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -184,6 +184,7 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
             self._set_scopes(self.model, self.args)
         units = self._unit_rows is not None
         views = check_views(self.args, self.train_dataset)  # augmentation_multiplicity: k fresh views per example
+        self._start_preconditioning()  # probe_preconditioning: fitted on the public set, in front of the head
         if not self.features.ready:  # (sharded: none; cached parts would run outside the sharded root's forward)
             self.features.prepare(self.model, [] if units or self.sharded or views > 1 else self._scopes, self.args,
                                   self.train_dataset, self._train_dataset_and_collator)
@@ -345,6 +346,7 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
         if self.train_dataset is not None:  # before any work: labels, the model's inputs, rows that are not examples
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
             check_views(self.args, self.train_dataset)  # augmentation_multiplicity needs the dataset's transform
+            check_preconditioning(self)  # probe_preconditioning: public data disjoint from the private set
             check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
             dataset, collator = self._train_dataset_and_collator()
             self._several_rows = probe_training_rows(self, dataset, ExampleBatchCollator(collator),
@@ -359,7 +361,9 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
         self._start_spent_record(resuming=path is not None)
-        if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
+        # public → private: the non-private phase first (or its record); with public_max_steps=0 the public set
+        # only fits probe_preconditioning
+        if self.public_train_dataset is not None and self.args.public_max_steps:
             start_continual(self, path)
         self.features.ready = False  # prepared with the training dataloader, on the model that trains
         self.weight_average = None  # made with the optimizer (ema_decay)
@@ -373,6 +377,7 @@ class DPTrainer(DPAveragingMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyR
         finally:
             if self.engine is not None:
                 self.engine.detach(self.model)
+            self.finish_preconditioning()  # the plain head, the public preconditioning folded into it
             for hook in self.run_hooks:
                 hook(self, state)
         output.metrics["epsilon"] = self.epsilon()
