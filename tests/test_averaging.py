@@ -167,3 +167,14 @@ def test_every_scope_engine_and_unit_releases_the_average(name, digits, data, tm
     assert any(not torch.equal(average.raw[n], value) for n, value in average.average.items())
     if name != "LoRA":  # nothing outside the optimizer's parameters moved
         assert all(torch.equal(p, start[n]) for n, p in live.items() if n not in average.params)
+
+
+def test_the_accuracy_arguments_come_from_a_recipe_yaml(tmp_path):
+    from hf_dp_repr.scripts.arguments import ScriptArguments, parse_args
+
+    config = tmp_path / "accuracy.yaml"
+    config.write_text("ema_decay: 0.99\naugmentation_multiplicity: 4\nprobe_preconditioning: pca:16\n")
+    _, args = parse_args((ScriptArguments, DPTrainingArguments), [
+        "--config", str(config), "--dataset_name", "digits", "--output_dir", str(tmp_path), "--target_epsilon", "1",
+        "--report_to", "none"])
+    assert (args.ema_decay, args.augmentation_multiplicity, args.probe_preconditioning) == (0.99, 4, "pca:16")
