@@ -13,6 +13,7 @@ from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DataError, DPConfigError, UnsupportedError
 from hf_dp_repr.privacy.augmentation import ViewsDataset
 from hf_dp_repr.tiny import tiny_vit
+from utils import CaptureUpdate  # p.grad right after the first DP step: the clipped, noised sum / expected batch
 
 
 def _tensors(batch, scale=None):
@@ -26,17 +27,6 @@ def _tensors(batch, scale=None):
 def _random(batch):  # a random augmentation: Gaussian pixel noise, from torch's global generator
     return {"pixel_values": [x + torch.randn(x.shape) for x in _tensors(batch)["pixel_values"]],
             "labels": batch["labels"]}
-
-
-class Grads(TrainerCallback):
-    """p.grad right after the first DP step: the clipped, noised sum divided by the expected batch."""
-
-    def __init__(self):
-        self.grads = None
-
-    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _run(train, out, k, steps=1, callbacks=(), **overrides):
@@ -62,7 +52,7 @@ def test_k_identical_views_give_the_update_of_k_equal_1(rows, tmp_path, engine, 
     train = rows.with_transform(_tensors)  # deterministic: the k views of an example are equal
     got = {}
     for k in (1, 4):
-        capture = Grads()
+        capture = CaptureUpdate()
         _run(train, tmp_path / str(k), k, callbacks=[capture], clipping_engine=engine, per_sample_max_grad_norm=clip)
         got[k] = capture.grads
     for name, g in got[1].items():
@@ -113,7 +103,7 @@ def test_replacing_one_example_moves_the_clipped_sum_by_at_most_2c_whatever_its_
     assert other["labels"][0] != base[0]["labels"]
     sums = []
     for i, data in enumerate((base, type(base).from_dict(other))):
-        capture = Grads()
+        capture = CaptureUpdate()
         _run(data.with_transform(adversarial), tmp_path / str(i), k, callbacks=[capture], noise_multiplier=0.0,
              per_device_train_batch_size=n, gradient_accumulation_steps=1, per_sample_max_grad_norm=clip)
         sums.append({name: g * n for name, g in capture.grads.items()})
