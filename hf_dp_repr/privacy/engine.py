@@ -69,6 +69,7 @@ class EngineOptions:
     micro_batches_per_step: int = 1  # the Trainer's gradient_accumulation_steps
     rank: int = 0
     reduction: str = "ddp"  # `privacy.reduction.REDUCTIONS`: "fsdp2" for a sharded model
+    views_per_example: int = 1  # augmentation multiplicity: each example's views, rows of one unit (`augmentation`)
 
     def __post_init__(self):
         if self.clipping_engine != "auto" and self.clipping_engine not in CLIPPERS:
@@ -79,8 +80,8 @@ class EngineOptions:
     @property
     def whole_units(self) -> bool:
         """Micro-batches hold whole units (the ghost engine clips units): sharded runs, where the hooks engine, which
-        carries a cut unit over to the next micro-batch, cannot run."""
-        return self.reduction == "fsdp2"
+        carries a cut unit over to the next micro-batch, cannot run; and an example's views (never cut)."""
+        return self.reduction == "fsdp2" or self.views_per_example > 1
 
 
 class DPEngine:

@@ -24,6 +24,7 @@ from ..privacy.clipping_modes import CLIPPING_MODES
 from ..registry import Choices
 from ..scope.groups import parse_groups
 from ..scope.head_init import HEAD_INITS, check_head_init
+from .accuracy_checks import check_accuracy_fields
 from .argument_checks import (
     check_one_run,
     check_privacy_unit,
@@ -194,6 +195,27 @@ class DPTrainingArguments(TrainingArguments):
                   "subset drawn with the run's secret randomness); bounds the rows per step when a unit is large. "
                   "None (default): all of its rows."},
     )
+    ema_decay: float | None = field(
+        default=None,
+        metadata={"help": "Weight averaging: release the exponential moving average of the DP iterates (post-"
+                  "processing, no privacy cost) to evaluate, save, checkpoints' model files and pushes; decay "
+                  "min(ema_decay, (1+t)/(10+t)) after noisy step t (e.g. 0.999). None (default): the last iterate. "
+                  "See training.averaging."},
+    )
+    augmentation_multiplicity: int = field(
+        default=1,
+        metadata={"help": "k views of each sampled example through the training set's own random transform "
+                  "(set_transform / with_transform), fresh at every step; the mean of their gradients is clipped "
+                  "once (De et al. 2022). Same sampling, σ and ε as k = 1; k times the compute. See "
+                  "privacy.augmentation."},
+    )
+    probe_preconditioning: str = field(
+        default="none",
+        metadata={"help": "Linear probe only: 'standardize' (per-feature mean and std) or 'pca:K' (standardise, "
+                  "then the top K principal directions) of the head's input, fitted on DPTrainer's "
+                  "public_train_dataset alone (no ε), folded into the saved head; 'none' (default). See "
+                  "scope.preconditioning."},
+    )
     # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.training.continual) ----
     public_switch: str = field(
         default="fixed",
@@ -311,6 +333,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
         if getattr(args, name) < (0 if name == "public_max_steps" else 1):
             raise DPConfigError(f"DPTrainingArguments: {name}={getattr(args, name)} is out of range.")
     validate_cache_fields(args)
+    check_accuracy_fields(args)  # ema_decay, augmentation_multiplicity, probe_preconditioning
     if args.noise_seed is not None and args.secure_mode:
         raise DPConfigError("DPTrainingArguments: noise_seed makes the noise reproducible, secure_mode makes it "
                          "unguessable; drop one of them.")

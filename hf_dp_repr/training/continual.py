@@ -188,7 +188,7 @@ def check_public_phase(args, train_dataset, public_train, public_eval) -> None:
     if public_train is train_dataset:
         raise DPConfigError("DPTrainer: public_train_dataset is the private train_dataset; it would be trained on "
                             "without privacy. Give disjoint public data.")
-    if args.public_max_steps < 1:
+    if args.public_max_steps < 1 and args.probe_preconditioning == "none":  # (else only the statistics' source)
         raise DPConfigError("DPTrainer: a public_train_dataset needs public_max_steps >= 1 (the switch step for "
                             "public_switch='fixed', the most public steps otherwise).")
     if args.public_switch == "plateau" and public_eval is None:

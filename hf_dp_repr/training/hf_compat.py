@@ -119,6 +119,10 @@ ORDER = (
                "inner_training_loop(")),
     ("_inner_training_loop", ("self.get_train_dataloader()", "self._prepare_for_training(")),
     ("_prepare_for_training", ("self.create_optimizer()", "self.create_scheduler(")),
+    # ema_decay (training.averaging): the average takes the step's update before anything is saved or evaluated,
+    # and a checkpoint's model file is written by save_model (the average, with the raw iterate next to it).
+    ("_run_epoch", ("self.optimizer.step()", "self.callback_handler.on_step_end(", "self._maybe_log_save_evaluate(")),
+    ("_save_checkpoint", ("self._get_output_dir(trial=trial)", "self.save_model(output_dir, _internal_call=True)")),
 )
 
 # Opacus' private helper the "ddp" reduction draws its noise with: (module, name, parameters).

@@ -87,7 +87,7 @@ def engine_options(args: DPTrainingArguments, sharded: bool = False) -> EngineOp
     return EngineOptions(clipping_engine=args.clipping_engine, secure_mode=args.secure_mode,
                          max_rows_per_unit=args.max_rows_per_unit,
                          micro_batches_per_step=args.gradient_accumulation_steps, rank=args.process_index,
-                         reduction="fsdp2" if sharded else "ddp")
+                         reduction="fsdp2" if sharded else "ddp", views_per_example=args.augmentation_multiplicity)
 
 
 def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int, saved_args: dict | None = None,

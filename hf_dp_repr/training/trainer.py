@@ -34,6 +34,7 @@ from transformers.utils import ModelOutput, logging
 
 from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, MissingColumnError, UnsupportedError
 from ..hub.card import ModelCardInfo
+from ..privacy.augmentation import ViewsBatchSampler, ViewsDataset
 from ..privacy.engine import DPEngine
 from ..privacy.grad_samplers import batch_position_ids
 from ..privacy.ledger import PrivacyLedger, PrivacyPlan
@@ -50,14 +51,17 @@ from ..scope.lora import has_peft_adapters
 from ..scope.phases import phase_scopes
 from ..scope.prefix_cache import STATES_KEY, run_from_states, set_frozen_prefix_modes
 from . import TRAINER_LOGGER
+from .accuracy_checks import check_views
 from .argument_checks import check_fresh_model, check_one_run
 from .argument_fields import check_refused_fields, train_dataloader_options
 from .arguments import DPTrainingArguments, check_hub_strategy
+from .averaging import DPAveragingMixin, averaging_note
 from .continual import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
 from .features import DPFeatureCacheMixin, FeatureCaches
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
+from .preconditioned_probe import DPPreconditioningMixin, check_preconditioning
 from .report import DPPrivacyReportMixin, announce_plan, announce_spent, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
@@ -66,8 +70,8 @@ from .sharding import check_trainer, shard_for_training, trainer_init
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
-class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin,
-                Trainer):
+class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin,
+                DPSavingMixin, DPEvalOverlapMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -179,8 +183,10 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
                 init_head(self.model, self.args.head_init)
             self._set_scopes(self.model, self.args)
         units = self._unit_rows is not None
+        views = check_views(self.args, self.train_dataset)  # augmentation_multiplicity: k fresh views per example
+        self._start_preconditioning()  # probe_preconditioning: fitted on the public set, in front of the head
         if not self.features.ready:  # (sharded: none; cached parts would run outside the sharded root's forward)
-            self.features.prepare(self.model, [] if units or self.sharded else self._scopes, self.args,
+            self.features.prepare(self.model, [] if units or self.sharded or views > 1 else self._scopes, self.args,
                                   self.train_dataset, self._train_dataset_and_collator)
         dataset, collator = self.features.train_inputs(self._train_dataset_and_collator)
         if self.sharded:  # a rank whose micro-batch is empty runs this row, clip factor 0, to join the collectives
@@ -191,6 +197,8 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
                                    log=logger)
         cached = self.features.cached_head is not None
         sampler = self.engine.batch_sampler(self._unit_rows[0] if units and not cached else None)
+        if views > 1:  # each sampled row read k times through the dataset's transform, its views one unit
+            dataset, sampler = ViewsDataset(dataset, self.args.seed), ViewsBatchSampler(sampler, views)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=ExampleBatchCollator(collator),
                           **train_dataloader_options(self.args))
@@ -224,6 +232,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         self.optimizer = engine.start(self.optimizer, self.model, ledger, several=self._several_rows)
         engine.after_step.append(self._write_spent)
         self._write_spent()
+        self._start_average()  # ema_decay: the average of what this optimizer trains (training.averaging)
         if self.is_world_process_zero():  # once, not once per process
             announce_plan(self.ledger, noise_seed=self.args.noise_seed, max_rows_per_unit=self.args.max_rows_per_unit,
                           model=self.model, block_stack=self.args.block_stack, describe_scope=self.describe_scope,
@@ -265,7 +274,10 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def describe_scope(self, phase: int | None = None) -> str:
-        """What trains, in one line (for a phase index, or the whole run)."""
+        """What trains, in one line (for a phase index, or the whole run: then also what the released weights are)."""
+        return self._scope_text(phase) + ("" if phase is not None else averaging_note(self.args))
+
+    def _scope_text(self, phase: int | None) -> str:
         if has_peft_adapters(self.model):
             trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             return f"PEFT adapters ({type(self.model).__name__}): {trained:,} trainable parameters"
@@ -317,7 +329,8 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
                 else:
                     outputs = model(**inputs)
                 losses = self.per_example_loss(outputs, labels)
-            self.accelerator.backward(losses.sum())
+            # the mean of an example's views (augmentation_multiplicity = k, else 1) is what is clipped
+            self.accelerator.backward(losses.sum() / self.args.augmentation_multiplicity)
         self.engine.after_backward(unit_ids, stand_in)
         if stand_in:
             return torch.zeros((), device=self.args.device)
@@ -332,6 +345,8 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         self._check_eval_overlap()  # the eval set or the arguments may have changed since init
         if self.train_dataset is not None:  # before any work: labels, the model's inputs, rows that are not examples
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
+            check_views(self.args, self.train_dataset)  # augmentation_multiplicity needs the dataset's transform
+            check_preconditioning(self)  # probe_preconditioning: public data disjoint from the private set
             check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
             dataset, collator = self._train_dataset_and_collator()
             self._several_rows = probe_training_rows(self, dataset, ExampleBatchCollator(collator),
@@ -346,18 +361,23 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
         self._start_spent_record(resuming=path is not None)
-        if self.public_train_dataset is not None:  # public → private: the non-private phase first (or its record)
+        # public → private: the non-private phase first (or its record); with public_max_steps=0 the public set
+        # only fits probe_preconditioning
+        if self.public_train_dataset is not None and self.args.public_max_steps:
             start_continual(self, path)
         self.features.ready = False  # prepared with the training dataloader, on the model that trains
+        self.weight_average = None  # made with the optimizer (ema_decay)
         self.engine = None  # a new run: its engine (and secret randomness) is made with its training dataloader
         state = "failed"
         try:
             output = super().train(resume_from_checkpoint=path, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             state = "complete"
+            self.finish_average()  # ema_decay: the model holds the averaged weights from now on
         finally:
             if self.engine is not None:
                 self.engine.detach(self.model)
+            self.finish_preconditioning()  # the plain head, the public preconditioning folded into it
             for hook in self.run_hooks:
                 hook(self, state)
         output.metrics["epsilon"] = self.epsilon()

@@ -1,0 +1,217 @@
+"""Weight averaging of the DP iterates (`ema_decay`): what `DPTrainer` releases is the exponential moving average.
+
+The average is post-processing of the noisy iterates (each is already released by DP-SGD's guarantee), so it
+costs no ε and the privacy plan is unchanged. Convention: the average starts at the weights training starts from,
+and after the t-th noisy step (t = 0, 1, ...) becomes
+
+    avg ← d_t · avg + (1 − d_t) · θ_{t+1},    d_t = min(ema_decay, (1 + t) / (10 + t)),
+
+the warm-up of TensorFlow's `ExponentialMovingAverage(num_updates=t)`: early averages forget the start quickly
+(d_0 = 0.1), later ones average over about 1 / (1 − ema_decay) steps. Only the parameters the optimizer trains
+(every phase's, e.g. LP→FT's head then blocks; a PEFT model's adapters) are averaged; frozen ones stay as they are.
+
+What uses which weights:
+- `evaluate`, `predict`, `save_model` (and so pushes and the model file of every checkpoint): the average;
+- training steps: the raw DP iterate;
+- a checkpoint also holds the raw iterate and the step count (`weight_average.pt`, never pushed: not a model file);
+  resuming restores both exactly;
+- after `train()` returns the model holds the average (the raw iterate stays in `trainer.weight_average.raw`);
+  with `load_best_model_at_end`, the best checkpoint's average.
+
+Example:
+    >>> import torch
+    >>> from hf_dp_repr.training.averaging import WeightAverage
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> avg = WeightAverage(0.9, {"w": w})
+    >>> with torch.no_grad():
+    ...     _ = w.fill_(1.0)
+    >>> avg.update()  # d_0 = min(0.9, 1/10) = 0.1
+    >>> [round(v, 6) for v in avg.average["w"].tolist()]  # 0.1 · 0 + 0.9 · 1
+    [0.9, 0.9]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+from ..errors import CheckpointMismatchError, DPConfigError, UnsupportedError
+from . import TRAINER_LOGGER
+
+logger = logging.get_logger(TRAINER_LOGGER)
+
+AVERAGE_FILE = "weight_average.pt"  # in checkpoints only: the raw iterate and the count (`.pt`: not pushed)
+
+
+def check_ema_decay(args) -> None:
+    """`ema_decay`: None (off) or in [0, 1); refused with FSDP2 sharding (the average would be sharded too)."""
+    from .sharding import sharding_request
+
+    decay = getattr(args, "ema_decay", None)
+    if decay is None:
+        return
+    if not 0 <= decay < 1:
+        raise DPConfigError(f"DPTrainingArguments: ema_decay={decay} must be in [0, 1) (e.g. 0.999), or None for "
+                            "no weight averaging.")
+    if sharding_request(args) is not None:
+        raise UnsupportedError(_SHARDED)
+
+
+_SHARDED = ("DPTrainer: ema_decay with an FSDP2-sharded model is not supported yet (the average and the raw iterate "
+            "in checkpoints would have to be sharded and gathered); unset ema_decay, or train unsharded.")
+
+
+def averaging_note(args) -> str:
+    """What the model card's scope line adds: which weights are released."""
+    decay = getattr(args, "ema_decay", None)
+    if decay is None:
+        return ""
+    return (f"; released weights: the exponential moving average of the DP iterates (ema_decay={decay}, warm-up "
+            "min(ema_decay, (1+t)/(10+t))), post-processing at no privacy cost")
+
+
+def decay_at(decay: float, t: int) -> float:
+    """The decay of the update after noisy step t (0-based): min(decay, (1 + t) / (10 + t))."""
+    return min(decay, (1 + t) / (10 + t))
+
+
+class WeightAverage:
+    """The exponential moving average of `params` (name → live parameter), with the warm-up of `decay_at`."""
+
+    def __init__(self, decay: float, params: dict[str, torch.nn.Parameter]):
+        self.decay, self.params, self.updates = decay, params, 0
+        self.average = {n: p.detach().clone() for n, p in params.items()}
+        self.raw: dict[str, torch.Tensor] | None = None  # after `release`: the last raw iterate
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After a noisy step: fold the new iterate in."""
+        weight = 1.0 - decay_at(self.decay, self.updates)
+        for name, p in self.params.items():
+            self.average[name].lerp_(p.detach(), weight)
+        self.updates += 1
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The average in the live parameters for the duration; the raw iterate back afterwards."""
+        raw = self._copy_in(self.average)
+        try:
+            yield
+        finally:
+            self._copy_in(raw)
+
+    @torch.no_grad()
+    def _copy_in(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        before = {n: p.detach().clone() for n, p in self.params.items()}
+        for name, p in self.params.items():
+            p.copy_(values[name])
+        return before
+
+    def release(self) -> None:
+        """The end of training: the live parameters hold the average from now on, the raw iterate is kept."""
+        self.raw = self._copy_in(self.average)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def save(self, folder: str) -> None:
+        raw = {n: p.detach().cpu().clone() for n, p in self.params.items()}
+        torch.save({"decay": self.decay, "updates": self.updates, "raw": raw}, os.path.join(folder, AVERAGE_FILE))
+
+    @torch.no_grad()
+    def restore(self, state: dict) -> None:
+        """From a checkpoint whose model file (the average) is loaded in the live parameters: they become the
+        average, and the raw iterate goes back into them."""
+        if set(state["raw"]) != set(self.params):
+            raise CheckpointMismatchError(
+                f"DPTrainer: the checkpoint's weight average ({len(state['raw'])} tensors) is not of what this run "
+                f"trains ({len(self.params)} tensors); resume with the same scope, or start a new run.")
+        self.average = {n: p.detach().clone() for n, p in self.params.items()}
+        for name, p in self.params.items():
+            p.copy_(state["raw"][name])
+        self.updates = int(state["updates"])
+
+
+def read_average(checkpoint: str, decay: float | None) -> dict | None:
+    """The checkpoint's averaging state, or None; refused when it does not match `ema_decay` being set."""
+    path = os.path.join(checkpoint, AVERAGE_FILE)
+    state = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
+    if (state is None) != (decay is None) or (state is not None and state["decay"] != decay):
+        have = "no weight average" if state is None else f"a weight average (ema_decay={state['decay']})"
+        raise CheckpointMismatchError(
+            f"DPTrainer: {checkpoint} holds {have} but this run has ema_decay={decay}: its model file is "
+            f"{'the raw iterate' if state is None else 'the average'}, not what this run would continue from. "
+            "Resume with the ema_decay of the run that wrote it.")
+    return state
+
+
+class _UpdateAfterStep(TrainerCallback):
+    """After every optimizer step (once per logical batch, after the update: Opacus' own step hook runs before it)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.weight_average is not None and self.trainer.weight_average.raw is None:
+            self.trainer.weight_average.update()
+
+
+class DPAveragingMixin:
+    """`ema_decay` in `DPTrainer` (a mixin placed first): the average is updated after every noisy step and
+    swapped in for evaluation, prediction and saving."""
+
+    weight_average: WeightAverage | None = None
+    _pending_average: dict | None = None  # a checkpoint's averaging state, read with its weights
+
+    def _start_average(self) -> None:
+        """With the DP optimizer made: average what it trains (again for every train(), or from a checkpoint)."""
+        decay = self.args.ema_decay
+        if decay is None:
+            self.weight_average = None
+            return
+        if self.sharded:  # a model sharded at load (no fsdp argument)
+            raise UnsupportedError(_SHARDED)
+        trained = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        params = {n: p for n, p in self.model.named_parameters() if id(p) in trained}
+        average = WeightAverage(decay, params)
+        if self._pending_average is not None:
+            average.restore(self._pending_average)
+            self._pending_average = None
+        self.weight_average = average
+        if not any(isinstance(cb, _UpdateAfterStep) for cb in self.callback_handler.callbacks):
+            self.add_callback(_UpdateAfterStep(self))
+
+    def _averaged(self):
+        average = self.weight_average
+        return contextlib.nullcontext() if average is None or average.raw is not None else average.swapped_in()
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        self._pending_average = read_average(resume_from_checkpoint, self.args.ema_decay)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        if self.weight_average is not None:  # the best checkpoint's model file is its average: keep it
+            self.weight_average.raw = {}
+
+    def finish_average(self) -> None:
+        """The end of train(): the model holds the average from now on."""
+        if self.weight_average is not None and self.weight_average.raw is None:
+            self.weight_average.release()
+
+    def evaluate(self, *args, **kwargs):
+        with self._averaged():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with self._averaged():
+            return super().predict(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        average = self.weight_average
+        with self._averaged():
+            super().save_model(output_dir, _internal_call=_internal_call)
+        if average is not None and average.raw is None and self._staging_checkpoint and self.args.should_save:
+            average.save(output_dir)  # a checkpoint: the raw iterate too, for resume

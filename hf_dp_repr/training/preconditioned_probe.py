@@ -1,0 +1,116 @@
+"""`probe_preconditioning` in `DPTrainer` (`scope.preconditioning`): fitted on `public_train_dataset` alone when
+training starts, in front of the linear probe while it trains, folded into the plain head for every save and after
+training.
+
+Refused before any work: no public_train_dataset, one that shares rows with the private training set, a scope that
+is not a linear probe in every phase (the features would move under the statistics), FSDP2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.data import DataLoader
+from transformers.utils import logging
+
+from ..errors import DPConfigError, ScopeError, UnsupportedError
+from ..scope.preconditioning import PreconditionedHead, fit_preconditioner, install, parse_preconditioning, remove
+from . import TRAINER_LOGGER
+
+logger = logging.get_logger(TRAINER_LOGGER)
+
+
+def check_preconditioning(trainer) -> None:
+    """Before any work: what the preconditioning needs (see the module docstring)."""
+    from .eval_overlap import shared_rows
+
+    spec = trainer.args.probe_preconditioning
+    if parse_preconditioning(spec)[0] == "none":
+        return
+    public = trainer.public_train_dataset
+    if public is None:
+        raise DPConfigError(f"DPTrainer: probe_preconditioning={spec!r} is fitted on public data only; pass "
+                            "DPTrainer(..., public_train_dataset=...) (unlabelled rows are enough), or set "
+                            "probe_preconditioning='none'.")
+    overlap = shared_rows(trainer.train_dataset, public)
+    if overlap is not None:
+        raise DPConfigError("DPTrainer: public_train_dataset shares rows with the private training set "
+                            f"({overlap.description}); statistics fitted on it would depend on private rows. Give "
+                            "disjoint public data.")
+    if not trainer._scopes or not all(s.head_only for s in trainer._scopes):
+        raise ScopeError(f"DPTrainer: probe_preconditioning={spec!r} is for a linear probe (trainable_blocks=0 or "
+                         "trainable_groups='head', without lp_steps): when the backbone trains, the features move "
+                         "away from the public statistics. Set probe_preconditioning='none' for this scope.")
+    if trainer.sharded:
+        raise UnsupportedError("DPTrainer: probe_preconditioning with an FSDP2-sharded model is not supported; a "
+                               "linear probe trains a head small enough to run unsharded.")
+
+
+def public_head_inputs(model, head_name: str, dataset, collator, args) -> torch.Tensor:
+    """What enters the head for every row of the PUBLIC `dataset` (eval mode, no labels needed)."""
+    seen = []
+    handle = model.get_submodule(head_name).register_forward_pre_hook(lambda _m, a: seen.append(a[0].detach().cpu()))
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collator):
+                batch = {k: v.to(args.device) for k, v in batch.items() if k != "labels"}
+                model(**batch)
+    finally:
+        handle.remove()
+        model.train(training)
+    return torch.cat(seen)
+
+
+class DPPreconditioningMixin:
+    """Placed after `DPAveragingMixin` (saves fold the average) and before `DPSavingMixin`."""
+
+    _preconditioned: str | None = None  # the head's path while the preconditioner is in front of it
+
+    def _start_preconditioning(self) -> None:
+        """Fit on the public set's head inputs and put the preconditioner in front of the head."""
+        spec = self.args.probe_preconditioning
+        if parse_preconditioning(spec)[0] == "none" or self._preconditioned is not None:
+            return
+        check_preconditioning(self)
+        (head_name,) = self._scopes[-1].head_modules
+        public = self.public_train_dataset
+        if hasattr(public, "column_names"):
+            public = self._remove_unused_columns(public, description="public preconditioning")
+        features = public_head_inputs(self.model, head_name, public, self.data_collator, self.args)
+        install(self.model, head_name, fit_preconditioner(features, spec))
+        self._preconditioned = head_name
+        logger.info(f"DPTrainer: probe_preconditioning={spec!r} fitted on {len(features)} public rows; the probe "
+                    f"trains on {self.model.get_submodule(head_name)[0].out_features} inputs.")
+
+    @contextlib.contextmanager
+    def _folded(self):
+        """The plain head (preconditioning folded in) for the duration; the exact head on z afterwards."""
+        name = self._preconditioned
+        if name is None:
+            yield
+            return
+        wrapped = self.model.get_submodule(name)
+        head = wrapped[1]
+        kept = (head.weight.data, None if head.bias is None else head.bias.data)
+        remove(self.model, name)
+        try:
+            yield
+        finally:
+            head.weight.data = kept[0]
+            if kept[1] is not None:
+                head.bias.data = kept[1]
+            head.in_features = kept[0].shape[1]
+            self.model.set_submodule(name, PreconditionedHead(wrapped[0], head))
+
+    def finish_preconditioning(self) -> None:
+        """The end of train(): the model's head is plain again, the preconditioning folded into it."""
+        if self._preconditioned is not None:
+            remove(self.model, self._preconditioned)
+            self._preconditioned = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        with self._folded():
+            super().save_model(output_dir, _internal_call=_internal_call)
