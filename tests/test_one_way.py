@@ -56,31 +56,41 @@ def test_per_parameter_dp_attributes_are_listed_once():
     assert lists == ["privacy/attributes.py"] and deletions == ["privacy/attributes.py"]
 
 
-def test_grad_samplers_are_registered_by_importing_the_package_and_twice_is_harmless():
-    code = (
-        "import hf_dp_repr\n"
-        "from opacus.grad_sample import GradSampleModule\n"
-        "from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import "
-        "GradSampleModuleFastGradientClipping as F\n"
-        "from transformers.pytorch_utils import Conv1D\n"
-        "from hf_dp_repr.privacy.grad_samplers import HF_GRAD_SAMPLERS, conv1d_grad_sample, register_grad_samplers\n"
-        "assert GradSampleModule.GRAD_SAMPLERS[Conv1D] is conv1d_grad_sample is F.GRAD_SAMPLERS[Conv1D]\n"
-        "before = dict(GradSampleModule.GRAD_SAMPLERS)\n"
-        "register_grad_samplers(); register_grad_samplers()\n"
-        "assert GradSampleModule.GRAD_SAMPLERS == before\n"
-        "assert all(GradSampleModule.GRAD_SAMPLERS[c] is r for c, r in HF_GRAD_SAMPLERS.items())\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+def test_grad_samplers_are_registered_by_every_module_that_hooks_a_model_and_twice_is_harmless():
+    for hooker in ("hf_dp_repr.privacy.engine",):  # (the test below checks each hooking module statically)
+        code = (
+            f"import {hooker}\n"
+            "from opacus.grad_sample import GradSampleModule\n"
+            "from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import "
+            "GradSampleModuleFastGradientClipping as F\n"
+            "from transformers.pytorch_utils import Conv1D\n"
+            "assert GradSampleModule.GRAD_SAMPLERS[Conv1D].__module__ == 'hf_dp_repr.privacy.grad_samplers'\n"
+            "from hf_dp_repr.privacy.grad_samplers import HF_GRAD_SAMPLERS, conv1d_grad_sample\n"
+            "from hf_dp_repr.privacy.grad_samplers import register_grad_samplers\n"
+            "assert GradSampleModule.GRAD_SAMPLERS[Conv1D] is conv1d_grad_sample is F.GRAD_SAMPLERS[Conv1D]\n"
+            "before = dict(GradSampleModule.GRAD_SAMPLERS)\n"
+            "register_grad_samplers(); register_grad_samplers()\n"
+            "assert GradSampleModule.GRAD_SAMPLERS == before\n"
+            "assert all(GradSampleModule.GRAD_SAMPLERS[c] is r for c, r in HF_GRAD_SAMPLERS.items())\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
 
 
-def test_no_module_imports_grad_samplers_for_a_side_effect():
-    """Only privacy/__init__.py registers; other modules import names they use from grad_samplers, or nothing."""
-    bare = []
+def test_every_module_that_hooks_a_model_loads_the_grad_samplers():
+    """The rules register as grad_samplers loads: each privacy module that uses Opacus' hooks or rule registry
+    imports it (so it is loaded before a model is hooked), and nothing else calls register_grad_samplers."""
+    missing, callers = [], []
     for path, tree in _trees():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and any(a.name == "grad_samplers" for a in node.names):
-                bare.append(path)
-    assert bare == []
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        if path == "privacy/grad_samplers.py":
+            continue
+        if path.startswith("privacy/") and names & {"GradSampleHooks", "GRAD_SAMPLERS"} \
+                and ".grad_samplers" not in _imports(tree):
+            missing.append(path)
+        if "register_grad_samplers" in names:
+            callers.append(path)
+    assert missing == [] and callers == []
 
 
 def _imports(tree) -> set[str]:

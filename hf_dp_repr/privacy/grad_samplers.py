@@ -2,8 +2,9 @@
 learned positions), Opacus' own rules where they fall short (LayerNorm(bias=False) crashed; Embedding gave the
 `padding_idx` row a gradient; none summed several rows per example: `examples_first`), and
 `register_grad_samplers()`, which puts them into Opacus' own registry (`opacus.grad_sample.register_grad_sampler`).
-It is called once, from `hf_dp_repr/privacy/__init__.py`: importing anything of the package registers them, and no
-module imports this one for a side effect.
+It runs as this module loads (as Opacus' own `@register_grad_sampler` rules do); every module that hooks a model
+with Opacus (`clippers`, `ghost_rules`) imports this one, so the rules are in place first, and the torch-free
+parts of `privacy` (the accountants) do not load it.
 
 Without them Opacus falls back to functorch, which re-runs each module per example: correct but slow.
 Each rule receives the module's inputs (`activations`) and the gradient of the loss with respect to its
@@ -146,3 +147,6 @@ def batch_position_ids(model, inputs: dict) -> None:
     if ids is None or "position_ids" in inputs or "position_ids" not in inspect.signature(model.forward).parameters:
         return
     inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+
+
+register_grad_samplers()  # as this module loads: see the docstring
