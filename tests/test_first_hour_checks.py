@@ -1,0 +1,64 @@
+"""Mistakes of the first hour refused with the product's own typed error before any work, naming what is wrong and
+the fix: columns the model does not take, images of another size than the model's, a padding collator whose
+tokenizer has no pad token."""
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import DataCollatorWithPadding
+
+from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.data import load_digits_dataset
+from hf_dp_repr.errors import DPConfigError
+from hf_dp_repr.scripts.causal_lm import train_tokenizer
+from hf_dp_repr.tiny import tiny_gpt2_classifier, tiny_vit
+from hf_dp_repr.training.data_checks import check_image_size
+
+
+def _trainer(tmp_path, model, dataset, **kwargs):
+    args = DPTrainingArguments(output_dir=str(tmp_path / "out"), target_epsilon=8.0, target_delta=1e-4,
+                               per_device_train_batch_size=8, max_steps=2, report_to="none", save_strategy="no",
+                               disable_tqdm=True)
+    return DPTrainer(model=model, args=args, train_dataset=dataset, **kwargs)
+
+
+def test_columns_the_model_does_not_take_name_the_rename_not_remove_unused_columns(tmp_path):
+    train = load_digits_dataset()["train"].select(range(32))
+    train = train.rename_column("pixel_values", "image").rename_column("labels", "target")
+    trainer = _trainer(tmp_path, tiny_vit(), train)
+    with pytest.raises(DPConfigError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "columns ['image', 'target']" in message and "rename_column('<column>', 'pixel_values')" in message
+    assert "No columns in the dataset match" not in message  # transformers' message, whose fix is the wrong one
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_images_of_another_size_than_the_models_are_refused_naming_both(tmp_path):
+    images = np.zeros((16, 1, 16, 16), dtype="float32")  # tiny_vit takes 1×8×8
+    train = Dataset.from_dict({"pixel_values": images, "labels": [i % 10 for i in range(16)]}).with_format("torch")
+    trainer = _trainer(tmp_path, tiny_vit(), train)
+    with pytest.raises(DPConfigError, match=r"images are \(1, 16, 16\).*takes \(1, 8, 8\).*image processor"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    with pytest.raises(DPConfigError, match=r"images are \(3, 8, 8\)"):  # the channels too
+        check_image_size(tiny_vit(), {"pixel_values": torch.zeros(2, 3, 8, 8)})
+    check_image_size(tiny_vit(), {"pixel_values": torch.zeros(2, 1, 8, 8)})  # the model's size passes
+
+
+def test_a_padding_collator_without_a_pad_token_is_refused_naming_the_token_fix(tmp_path):
+    tokenizer = train_tokenizer(["a first text", "and a second one, longer"], vocab_size=300)
+    tokenizer.pad_token = None  # as GPT-2's tokenizer ships
+    rows = tokenizer(["a first text", "and a second one, longer"] * 8)
+    train = Dataset.from_dict({**rows, "labels": [0, 1] * 8})
+    model = tiny_gpt2_classifier(vocab_size=len(tokenizer))
+    trainer = _trainer(tmp_path, model, train, data_collator=DataCollatorWithPadding(tokenizer))
+    with pytest.raises(DPConfigError, match=r"has no pad token. Fix: `tokenizer.pad_token = tokenizer.eos_token` "
+                                            r"\('<\|endoftext\|>'\)"):
+        trainer.train()
+    tokenizer.pad_token = tokenizer.eos_token  # the fix named: the probe batch now collates
+    model.config.pad_token_id = tokenizer.pad_token_id
+    from hf_dp_repr.training.data_checks import check_pad_token
+
+    check_pad_token(DataCollatorWithPadding(tokenizer))
