@@ -62,3 +62,34 @@ def test_a_padding_collator_without_a_pad_token_is_refused_naming_the_token_fix(
     from hf_dp_repr.training.data_checks import check_pad_token
 
     check_pad_token(DataCollatorWithPadding(tokenizer))
+
+
+# ---- names that reach for the Hub: refused at once, naming what was looked for and where ----------------------------
+NOBODY = "hf-dp-repr-nobody/no-such-repo"  # a Hub id that is in no cache
+
+
+def test_a_hub_name_while_offline_fails_at_once_naming_where_it_looked(monkeypatch):
+    from hf_dp_repr.data.hub_names import check_dataset_name, check_model_name
+    from hf_dp_repr.errors import DataError, ModelFileError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=rf"--dataset_name '{NOBODY}': not found. Looked for a local folder .*, the "
+                                        r"Hugging Face cache .* and not on the Hub: HF_HUB_OFFLINE is set.*digits"):
+        check_dataset_name(NOBODY, shipped=("digits",))
+    with pytest.raises(ModelFileError, match=r"HF_HUB_OFFLINE is set.*tiny_vit"):
+        check_model_name(NOBODY, shipped=("tiny_vit",))
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    check_model_name("./", shipped=())  # an existing folder passes
+
+
+def test_the_command_refuses_a_missing_dataset_or_model_in_one_line_before_any_work(monkeypatch, tmp_path, capsys):
+    from hf_dp_repr.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    for argv, says in ((["--dataset_name", "./no/such/folder"], "--dataset_name './no/such/folder': no such folder"),
+                       (["--model_name_or_path", NOBODY], f"--model_name_or_path '{NOBODY}': not found")):
+        code = main(["train", "image", "--output_dir", str(out), "--target_epsilon", "1", *argv])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1 and says in err, err
+    assert not out.exists()

@@ -20,7 +20,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_dp_repr.entry_point import did_you_mean, option_strings
-from hf_dp_repr.errors import ArgumentError, RecipeArgumentError
+from hf_dp_repr.errors import ArgumentError, DataError, ModelFileError, RecipeArgumentError
 
 
 # ---- arguments the recipes share -------------------------------------------------------------------------
@@ -110,14 +110,15 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
 
 
 def run_command(main, prog: str | None = None, argv: list[str] | None = None) -> int:
-    """Run a recipe's `main(argv)` as a command: an argument it refuses (`ArgumentError`, raised before any work)
-    is one line on stderr and exit code 2, as argparse's own errors; every other error keeps its traceback."""
+    """Run a recipe's `main(argv)` as a command: what it refuses before any work is one line on stderr, with exit
+    code 2 for an argument (`ArgumentError`, as argparse's own errors), 1 for data or a model that cannot be found
+    or read (`DataError`, `ModelFileError`); every other error keeps its traceback."""
     prog = prog or os.path.basename(sys.argv[0])
     try:
         main(argv)
-    except ArgumentError as err:
+    except (ArgumentError, DataError, ModelFileError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(err, ArgumentError) else 1
     return 0
 
 
