@@ -192,6 +192,12 @@ class DPTrainingArguments(TrainingArguments):
                   "subset drawn with the run's secret randomness); bounds the rows per step when a unit is large. "
                   "None (default): all of its rows."},
     )
+    allow_noise_dominated: bool = field(
+        default=False,
+        metadata={"help": "Go on when the plan's σ is so large that the noise dwarfs the clipped signal (σ ≥ "
+                  "10 × the expected batch: the noise's std in every coordinate of the averaged update is at least "
+                  "10× the largest norm the clipped gradient can have); refused by default, naming the fixes."},
+    )
     # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.training.continual) ----
     public_switch: str = field(
         default="fixed",
