@@ -109,3 +109,10 @@ def test_a_budget_whose_noise_dwarfs_the_signal_is_refused_naming_the_fixes_unle
     assert plan_run(args(allow_noise_dominated=True), dataset_size=1437).phases[0].noise_multiplier > 1000
     plan_run(DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, target_delta=1e-5, report_to="none",
                                  per_device_train_batch_size=16, max_steps=100), dataset_size=1437)  # a sane plan
+
+
+def test_no_output_dir_says_where_the_run_goes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=rf"no output_dir given; .* go to {tmp_path}/trainer_output"):
+        args = DPTrainingArguments(target_epsilon=1.0, report_to="none")
+    assert args.output_dir == "trainer_output"

@@ -13,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -240,6 +242,9 @@ class DPTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         validate_dp_fields(self)
+        if self.output_dir is None:  # transformers says so at INFO only: say where the run and its ledger go
+            warnings.warn(f"DPTrainingArguments: no output_dir given; checkpoints, the privacy ledger and the model "
+                          f"card go to {os.path.abspath('trainer_output')} (transformers' default).", stacklevel=3)
         join_cpu_processes()  # before the Trainer's arguments set up accelerate: several processes are one run
         super().__post_init__()
         check_one_run(self.world_size)
