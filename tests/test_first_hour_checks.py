@@ -116,3 +116,19 @@ def test_no_output_dir_says_where_the_run_goes(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=rf"no output_dir given; .* go to {tmp_path}/trainer_output"):
         args = DPTrainingArguments(target_epsilon=1.0, report_to="none")
     assert args.output_dir == "trainer_output"
+
+
+def test_the_card_says_why_epsilon_is_above_the_target_after_a_resume(tmp_path):
+    from hf_dp_repr.hub.card import render_model_card
+    from hf_dp_repr.privacy.ledger import PrivacyLedger
+    from hf_dp_repr.training.plan import plan_run
+
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=8.0, target_delta=1e-5, report_to="none",
+                               per_device_train_batch_size=64, max_steps=20)
+    plan = plan_run(args, dataset_size=1437)
+    resumed = PrivacyLedger(plan, 20, ((5, 7),))  # killed after step 7, resumed from the checkpoint of step 4
+    assert resumed.epsilon() > 8.0
+    card = render_model_card(resumed.to_dict()).content
+    assert ("ε is above the target ε = 8 because the run was interrupted and resumed: 3 noisy step(s) computed after "
+            "its last checkpoint (steps 5-7) were lost and computed again with fresh noise") in card
+    assert "interrupted" not in render_model_card(PrivacyLedger(plan, 20).to_dict()).content
