@@ -132,3 +132,19 @@ def test_the_card_says_why_epsilon_is_above_the_target_after_a_resume(tmp_path):
     assert ("ε is above the target ε = 8 because the run was interrupted and resumed: 3 noisy step(s) computed after "
             "its last checkpoint (steps 5-7) were lost and computed again with fresh noise") in card
     assert "interrupted" not in render_model_card(PrivacyLedger(plan, 20).to_dict()).content
+
+
+def test_the_lora_path_prints_no_is_gradient_checkpointing_future_warning():
+    import warnings
+
+    from peft import LoraConfig
+
+    from hf_dp_repr.scope.lora import apply_peft_config
+    from hf_dp_repr.tiny import tiny_gpt2
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply_peft_config(tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"]))
+        warnings.warn("`is_gradient_checkpointing` is deprecated (from elsewhere: still shown)", FutureWarning)
+    shown = [str(w.message) for w in seen if "is_gradient_checkpointing" in str(w.message)]
+    assert shown == ["`is_gradient_checkpointing` is deprecated (from elsewhere: still shown)"]
