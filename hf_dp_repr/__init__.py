@@ -3,15 +3,17 @@ representations.
 
 The package follows the pipeline, one folder per stage, each importing only the stages before it: `data` → `scope`
 → `privacy` → `hub` → `training` → `analysis` → `audit`, `tuning` → `scripts` (and `cli`). The classes and
-functions below load on first use (PEP 562), so `import hf_dp_repr` imports neither torch nor transformers: the
-entry points set up the process first (`hf_dp_repr.entry_point`) and `hf-dp-repr privacy` loads only the
-accountant.
+functions below load on first use (PEP 562), so `import hf_dp_repr` imports neither torch nor transformers, and
+when torch is not loaded yet it sets OMP_WAIT_POLICY=PASSIVE (unless set; `hf_dp_repr.entry_point`: spinning
+OpenMP threads made training up to 12× slower on a shared CPU); the entry points set up the process first and
+`hf-dp-repr privacy` loads only the accountant.
 """
 
 __version__ = "0.1.0"
 
 import importlib
 
+from .entry_point import passive_openmp_at_import
 from .errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -37,6 +39,7 @@ from .errors import (
 from .quiet import silence_known_noise
 from .training.search_backends import register_search_backend
 
+passive_openmp_at_import()  # OMP_WAIT_POLICY=PASSIVE before torch loads (entry_point.py): the quick start is fast
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)
 # DPTrainer.hyperparameter_search(backend="optuna"): tuning's search, imported at its first use (training imports
 # nothing of tuning)

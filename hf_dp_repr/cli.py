@@ -22,8 +22,16 @@ from the ledger first. It refuses a folder without a ledger; login and write acc
 is written. The token comes from `hf auth login` or HF_TOKEN. `--dry-run` prints the card and the files that
 would be pushed, and writes and sends nothing (no login needed).
 
-Each command imports what it needs when it runs (`hf-dp-repr privacy` loads the accountants, not the trainer, peft
-or datasets), and `main` sets up the process first (`hf_dp_repr.entry_point`), before anything imports torch.
+Each command imports what it needs when it runs, and `main` sets up the process first (`hf_dp_repr.entry_point`),
+before anything imports torch. `hf-dp-repr --help`, a mistyped command or option, and `hf-dp-repr privacy` (the
+accountants: dp_accounting, no Opacus) import neither torch nor transformers (tests/test_cli_startup.py). Argument
+errors are one line naming the argument and the closest valid one, exit code 2 (`entry_point.CommandParser`).
+
+Adding a subcommand (the pattern every command follows): one entry in `COMMANDS`, its one-line help and the
+"module:function" that adds its full parser (`def add_x_parser(subparsers)`, which calls
+`subparsers.add_parser("x", ...)` and `set_defaults(func=run_x)`). Put that function in a module that imports
+nothing heavy at module level (the run function imports what the command needs): `main` imports it only when
+`x` is the command given; `--help` lists the command from `COMMANDS` without importing it.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import json
 import math
 import sys
 
-from .entry_point import prepare_entry_point
+from .entry_point import CommandParser, prepare_entry_point
 from .training.argument_checks import target_epsilon_problem
 
 
@@ -59,10 +67,10 @@ def _probability(text: str) -> float:
     return value
 
 
-def _add_privacy_parser(subparsers) -> None:
+def add_privacy_parser(subparsers) -> None:
     from .privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS
 
-    p = subparsers.add_parser("privacy", help="ε of a planned DP-SGD run, or the σ that reaches a target ε.",
+    p = subparsers.add_parser("privacy", help=COMMANDS["privacy"][0],
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sample-rate", type=_sample_rate, required=True,
                    help="Poisson sampling rate q = batch / n (1: full batch, no amplification).")
@@ -120,8 +128,8 @@ def run_privacy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_push_parser(subparsers) -> None:
-    p = subparsers.add_parser("push", help="Push a finished DP run (its allow-listed files and DP card) to the Hub.",
+def add_push_parser(subparsers) -> None:
+    p = subparsers.add_parser("push", help=COMMANDS["push"][0],
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output_dir", help="The run's folder (DPTrainer's output_dir, with privacy_ledger.json).")
     p.add_argument("--hub_model_id", required=True, help="Repository to push to: me/name (or name).")
@@ -154,9 +162,8 @@ def run_push(args: argparse.Namespace) -> int:
 TRAIN_SCRIPTS = {"image": "image_classification", "lm": "causal_lm", "text": "text_classification"}
 
 
-def _add_train_parser(subparsers) -> None:
-    p = subparsers.add_parser("train", help="Run a recipe (hf_dp_repr.scripts): DP fine-tuning of an image classifier, "
-                              "a causal LM or a text classifier; `hf-dp-repr train image --help` lists its arguments.")
+def add_train_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help=COMMANDS["train"][0])
     p.add_argument("task", choices=sorted(TRAIN_SCRIPTS))
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's arguments (--config file.yaml, ...)")
     p.set_defaults(func=run_train)
@@ -165,34 +172,39 @@ def _add_train_parser(subparsers) -> None:
 def run_train(args: argparse.Namespace) -> int:
     import importlib
 
-    importlib.import_module(f"hf_dp_repr.scripts.{TRAIN_SCRIPTS[args.task]}").main(args.recipe_args)
-    return 0
+    # (by name, as the recipes: scripts is cli's peer stage) an argument error: one line, exit code 2
+    run_command = importlib.import_module("hf_dp_repr.scripts.arguments").run_command
+    recipe = importlib.import_module(f"hf_dp_repr.scripts.{TRAIN_SCRIPTS[args.task]}").main
+    return run_command(recipe, f"hf-dp-repr train {args.task}", args.recipe_args)
 
 
-def _add_analyze_parser(subparsers) -> None:
-    from .analysis.cli import add_analyze_parser
-
-    add_analyze_parser(subparsers)
-
-
-def _add_audit_parser(subparsers) -> None:
-    from .audit.cli import add_audit_parser
-
-    add_audit_parser(subparsers)
-
-
-# Each adds its subcommand; `main` builds only the one it runs (its imports are the command's own).
-COMMANDS = {"privacy": _add_privacy_parser, "push": _add_push_parser, "train": _add_train_parser,
-            "analyze": _add_analyze_parser, "audit": _add_audit_parser}
+# name: (its line in `hf-dp-repr --help`, "module:function" that adds its parser; imported only when it runs)
+COMMANDS = {
+    "privacy": ("ε of a planned DP-SGD run, or the σ that reaches a target ε.", "hf_dp_repr.cli:add_privacy_parser"),
+    "push": ("Push a finished DP run (its allow-listed files and DP card) to the Hub.",
+             "hf_dp_repr.cli:add_push_parser"),
+    "train": ("Run a recipe (hf_dp_repr.scripts): DP fine-tuning of an image classifier, a causal LM or a text "
+              "classifier; `hf-dp-repr train image --help` lists its arguments.",
+              "hf_dp_repr.cli:add_train_parser"),
+    "analyze": ("separation fuzziness / prediction residual laws of models",
+                "hf_dp_repr.analysis.cli:add_analyze_parser"),
+    "audit": ("membership inference against a saved DP run (report beside its ε); `audit canaries`: the one-run "
+              "canary audit", "hf_dp_repr.audit.cli:add_audit_parser"),
+}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every subcommand, or of `command` alone."""
-    parser = argparse.ArgumentParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
+    """The top-level parser: `command`'s full parser (its module imported), every other command as its help line."""
+    import importlib
+
+    parser = CommandParser(prog="hf-dp-repr", description="Differentially private fine-tuning tools.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name, add in COMMANDS.items():
-        if command in (None, name):
-            add(subparsers)
+    for name, (help_line, adder) in COMMANDS.items():
+        if name == command:
+            module, function = adder.split(":")
+            getattr(importlib.import_module(module), function)(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_line)
     return parser
 
 

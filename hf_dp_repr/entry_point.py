@@ -11,6 +11,13 @@ hf_dp_repr.scripts.image_classification` too) call `prepare_entry_point()` befor
 - `TOKENIZERS_PARALLELISM=false` (unless set): no fork warning from the tokenizers' thread pool.
 - one intra-op thread for a tiny model on CPU (`one_thread_for_tiny_model`), unless `OMP_NUM_THREADS` says.
 
+`import hf_dp_repr` sets `OMP_WAIT_POLICY=PASSIVE` too when torch is not loaded yet (`passive_openmp_at_import`),
+so the Python quick start, pasted as is, is fast; when torch was loaded first with spinning threads, training
+warns once, on a loaded machine, naming the fix (`warn_if_openmp_spins`, called as the DP optimizer is made).
+
+The commands' argument errors are one line naming the argument and the closest valid one, exit code 2, as
+argparse's (`CommandParser`; a recipe's typed argument errors: `scripts.arguments.run_command`).
+
 A library user's own script can call it first too:
 
     >>> import os
@@ -22,8 +29,12 @@ A library user's own script can call it first too:
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import os
+import re
 import sys
+import warnings
 
 
 def prepare_entry_point(*, tiny_model: bool = False) -> None:
@@ -33,6 +44,47 @@ def prepare_entry_point(*, tiny_model: bool = False) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if tiny_model:
         one_thread_for_tiny_model()
+
+
+# The OpenMP wait policy the process had when `import hf_dp_repr` found torch already loaded (None: torch loaded
+# after, under the policy the environment has then).
+_POLICY_AT_TORCH_LOAD: list[str | None] = []
+_WARNED_SPINNING: list[bool] = []
+
+
+def passive_openmp_at_import() -> None:
+    """`import hf_dp_repr`: before torch loads, OMP_WAIT_POLICY=PASSIVE unless set (OpenMP reads it once, when torch
+    loads); after, remember the policy torch was loaded under, for `warn_if_openmp_spins`."""
+    if "torch" in sys.modules:
+        _POLICY_AT_TORCH_LOAD[:] = [os.environ.get("OMP_WAIT_POLICY")]
+    else:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def openmp_threads_spin() -> bool:
+    """True when torch runs several intra-op threads under OpenMP's spinning (non-PASSIVE) wait policy."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    policy = _POLICY_AT_TORCH_LOAD[0] if _POLICY_AT_TORCH_LOAD else os.environ.get("OMP_WAIT_POLICY")
+    return (policy or "").upper() != "PASSIVE" and torch.get_num_threads() > 1
+
+
+def warn_if_openmp_spins() -> bool:
+    """Warn once per process when training starts with spinning OpenMP threads on a loaded machine (the 1-minute
+    load average at least half the cores): there each step was up to 12× slower. Returns whether it warned."""
+    if _WARNED_SPINNING or not openmp_threads_spin() or not hasattr(os, "getloadavg"):
+        return False
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load < cores / 2:
+        return False
+    _WARNED_SPINNING.append(True)
+    warnings.warn(
+        f"torch was loaded with OpenMP threads that spin at barriers (OMP_WAIT_POLICY is not PASSIVE, "
+        f"{sys.modules['torch'].get_num_threads()} threads) on a loaded machine (load {load:.1f} on {cores} cores): "
+        "training can be up to 12× slower. Fix: `import hf_dp_repr` before `import torch` (it sets "
+        "OMP_WAIT_POLICY=PASSIVE), or start Python with OMP_WAIT_POLICY=PASSIVE.", RuntimeWarning, stacklevel=2)
+    return True
 
 
 def one_thread_for_tiny_model() -> None:
@@ -46,3 +98,54 @@ def one_thread_for_tiny_model() -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
     elif not torch.cuda.is_available():
         torch.set_num_threads(1)
+
+
+# ---- command-line errors -----------------------------------------------------------------------------------------
+def closest(word: str, valid) -> str | None:
+    """The valid name closest to `word` (a typo), or None when none is close."""
+    found = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def did_you_mean(word: str, valid) -> str:
+    """"; did you mean X?" for the valid name closest to `word`, or a pointer to --help."""
+    near = closest(word, valid)
+    return f"; did you mean {near}?" if near else " (--help lists them)"
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every --option of `parser` and of the subcommands built into it."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= option_strings(sub)
+    return out
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, with a one-line error that names the argument and the closest valid one (exit code 2).
+
+        >>> p = CommandParser(prog="demo"); _ = p.add_argument("--target_epsilon", type=float)
+        >>> p.parse_args(["--traget_epsilon", "3"])
+        Traceback (most recent call last):
+        SystemExit: 2
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {self.explain(message)}\n")
+
+    def explain(self, message: str) -> str:
+        if message.startswith("unrecognized arguments: "):
+            unknown = [a.split("=", 1)[0] for a in message.split(": ", 1)[1].split() if a.startswith("-")]
+            if unknown:
+                valid = option_strings(self)
+                return "; ".join(f"unrecognized argument {a}{did_you_mean(a, valid)}" for a in unknown)
+        if match := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            valid = re.findall(r"'([^']*)'", match.group(2))
+            near = closest(match.group(1), valid)
+            return (message.split(" (choose from")[0] + (f"; did you mean {near!r}?" if near else "")
+                    + f" (one of: {', '.join(valid)})")
+        return message
+

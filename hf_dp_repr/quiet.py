@@ -12,7 +12,8 @@ category, so every other warning, and these same words from elsewhere with anoth
   domain (the ε it reports is the PRV one); under accountant="rdp" the orders are Opacus' own, which no argument
   here changes, and the ε reported is still an upper bound (the default "prv" is tighter).
 - transformers 5: "`is_gradient_checkpointing` is deprecated": avoided at the source (`privacy.ghost_clipping`
-  reads the new name), not filtered.
+  reads the new name); PEFT's PeftModel still reads the old one, so `scope.lora` filters it around its
+  `get_peft_model` call only.
 
     >>> import warnings
     >>> silence_known_noise()

@@ -44,7 +44,7 @@ def two_threads():
 
 @pytest.fixture(scope="session")
 def hub_server():
-    from hub_server import LocalHub
+    from hf_dp_repr.hub.local_server import LocalHub
 
     server = LocalHub().start()
     yield server
@@ -53,7 +53,7 @@ def hub_server():
 
 @pytest.fixture
 def hub(hub_server, monkeypatch, tmp_path_factory):
-    """The local Hub (tests/hub_server.py), empty, with the real huggingface_hub / transformers clients pointed at it
+    """The local Hub (hub/local_server.py), empty, with the real huggingface_hub / transformers clients pointed at it
     for this test only: online, Xet off (every upload a regular one), a fresh download cache, logged in as `someone`
     with a write token (`monkeypatch.setenv("HF_TOKEN", ...)` to change who). Every other test stays offline."""
     from huggingface_hub import constants, hf_api

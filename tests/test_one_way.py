@@ -56,9 +56,9 @@ def test_per_parameter_dp_attributes_are_listed_once():
     assert lists == ["privacy/attributes.py"] and deletions == ["privacy/attributes.py"]
 
 
-def test_grad_samplers_are_registered_by_importing_the_package_and_twice_is_harmless():
+def test_grad_samplers_are_registered_by_every_module_that_hooks_a_model_and_twice_is_harmless():
     code = (
-        "import hf_dp_repr\n"
+        "import hf_dp_repr.privacy.engine\n"
         "from opacus.grad_sample import GradSampleModule\n"
         "from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import "
         "GradSampleModuleFastGradientClipping as F\n"
@@ -74,14 +74,29 @@ def test_grad_samplers_are_registered_by_importing_the_package_and_twice_is_harm
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
 
 
-def test_no_module_imports_grad_samplers_for_a_side_effect():
-    """Only privacy/__init__.py registers; other modules import names they use from grad_samplers, or nothing."""
-    bare = []
+def test_every_module_that_hooks_a_model_loads_the_module_rules():
+    """The rules register as privacy.modules loads: each privacy module that uses Opacus' hooks or rule registry
+    imports it (so it is loaded before a model is hooked), and nothing else calls register_grad_samplers."""
+    missing, callers = [], []
     for path, tree in _trees():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and any(a.name == "grad_samplers" for a in node.names):
-                bare.append(path)
-    assert bare == []
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        if path in ("privacy/grad_samplers.py", "privacy/modules/__init__.py"):
+            continue
+        if path.startswith("privacy/") and not path.startswith("privacy/modules/") \
+                and names & {"GradSampleHooks", "GRAD_SAMPLERS", "GhostClippingEngine"} \
+                and not _imports_module_rules(tree):
+            missing.append(path)
+        if "register_grad_samplers" in names:
+            callers.append(path)
+    assert missing == [] and callers == []
+
+
+def _imports_module_rules(tree) -> bool:
+    """`from . import modules` or `from .modules... import ...` anywhere in a privacy module."""
+    return any(isinstance(n, ast.ImportFrom) and n.level == 1 and (
+        (n.module or "").split(".")[0] == "modules" or (n.module is None and any(a.name == "modules" for a in n.names)))
+        for n in ast.walk(tree))
 
 
 def _imports(tree) -> set[str]:

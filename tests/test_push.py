@@ -1,7 +1,7 @@
 """Every push, during and after training and from the CLI, sends exactly the allow-listed files: never the Trainer's
 state, optimizer / RNG state, training_args.bin or a metric computed on the private data. Login and write access are
 checked before any work. The pushes go through the real huggingface_hub client to a local Hub-compatible server
-(the `hub` fixture, tests/hub_server.py), and what arrives is read back with the client (`hf_hub_download`,
+(the `hub` fixture, hf_dp_repr/hub/local_server.py), and what arrives is read back with the client (`hf_hub_download`,
 `ModelCard.load`, `from_pretrained`)."""
 
 import json

@@ -91,7 +91,7 @@ def test_thin_recipe_files_and_the_cli_run_the_same_main():
         assert f"from hf_dp_repr.scripts.{module} import main" in text and len(text.splitlines()) < 20, name
     from hf_dp_repr.cli import TRAIN_SCRIPTS, build_parser
 
-    args = build_parser().parse_args(["train", "lm", "--config", "x.yaml", "--help"])
+    args = build_parser("train").parse_args(["train", "lm", "--config", "x.yaml", "--help"])
     assert TRAIN_SCRIPTS[args.task] == "causal_lm" and args.recipe_args == ["--config", "x.yaml", "--help"]
 
 

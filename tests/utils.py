@@ -1,7 +1,7 @@
 """Helpers shared by the test files (`from utils import ...`; pytest puts tests/ on the import path): datasets of
 random tokens, one DP step of DPTrainer against a brute-force loop, a callback that stops, a free port, DP arguments
 with the common test defaults, the exact ε of full-batch steps, and datasets of users with their brute-force clipped
-sum. The Hub is a local server: tests/hub_server.py and the `hub` fixture (conftest.py)."""
+sum. The Hub is a local server: hf_dp_repr/hub/local_server.py and the `hub` fixture (conftest.py)."""
 
 import math
 from pathlib import Path

@@ -141,6 +141,13 @@ def _release_claim(led: dict, history: list, neighboring: str, search: dict | No
                                 else "ε for replace-one neighbours (the guarantee)")
         summary = (f"(ε = {fmt(run)}, δ = {delta})-differentially private, for replace-one neighbours (n is "
                    "public: this card states it).")
+    if recomputed := led.get("recomputed_steps"):
+        redone = sum(b - a + 1 for a, b in recomputed)
+        target = led.get("target_epsilon")
+        notes.append(f"ε is above {'the target ε = ' + fmt(target) if target is not None else 'the plan'}"
+                     f" because the run was interrupted and resumed: {redone} noisy step(s) computed after its last "
+                     f"checkpoint (steps {', '.join(f'{a}-{b}' for a, b in recomputed)}) were lost and computed "
+                     "again with fresh noise, and every noisy step computed is charged.")
     if neighboring != "replace_one":
         plan_eps = search["epsilon"] if search else led["epsilon"]
         rows.append(("ε for add/remove neighbours (the plan's; needs n secret)", fmt(plan_eps)))

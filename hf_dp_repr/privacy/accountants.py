@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from opacus.accountants import create_accountant
 
 from ..errors import DPConfigError
 from ..quiet import RDP_LARGEST_ALPHA
@@ -140,6 +139,8 @@ def _lower_bound(history: tuple, neighboring: str) -> float:
 
 # ---- the built-in accountants (their checks: tests/test_accounting.py, against dp_accounting) ------------------
 def _opacus_epsilon(mechanism: str, history: tuple, delta: float, neighboring: str) -> float:
+    from opacus.accountants import create_accountant  # here: importing Opacus imports torch (`pld` needs neither)
+
     acc = create_accountant(mechanism=mechanism)
     acc.history = [tuple(h) for h in history]
     with _full_batch(history), warnings.catch_warnings():

@@ -27,8 +27,6 @@ from __future__ import annotations
 import functools
 import math
 
-from opacus.accountants.utils import MAX_SIGMA
-
 from ..errors import ArgumentError, OutOfReachError
 from .accountants import (  # noqa: F401 (ACCOUNTANTS, NEIGHBORING_RELATIONS, GDP_REFUSED: importable from here)
     ACCOUNTANTS,
@@ -40,6 +38,9 @@ from .accountants import (  # noqa: F401 (ACCOUNTANTS, NEIGHBORING_RELATIONS, GD
     check_accountant,
 )
 
+# The largest σ calibration tries: Opacus' bound (opacus.accountants.utils.MAX_SIGMA), kept here so that this
+# module imports neither Opacus nor torch.
+MAX_SIGMA = 1e6
 # Calibrated σ spends between (1 - tolerance)·ε and ε: tight enough that "exactly the target" holds to 0.1 %.
 RELATIVE_EPSILON_TOLERANCE = 1e-3
 

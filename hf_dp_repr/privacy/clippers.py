@@ -28,6 +28,7 @@ from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 
 from ..errors import DPConfigError
 from ..registry import Registry
+from . import modules  # noqa: F401 (every family's rules, installed into Opacus, before a model is hooked)
 from .batch_rows import ExampleRows
 from .ghost_clipping import GhostClippingEngine, unsupported_reason
 from .ledger import PrivacyPlan

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ArgumentError, ArgumentTypeError, UnsupportedError
-from . import ghost_rules
+from . import ghost_rules, modules  # noqa: F401 (modules: every family's ghost rules are registered)
 from .ghost_rules import OneHot, at_least_f32, pieces_of, saved_inputs
 
 

@@ -1,8 +1,9 @@
 """The per-sample gradient rules this package adds to Opacus' registry: a `Registry` (module class → rule) filled by
 the module families in `privacy/modules/` (each registers, in one file, its per-sample rule here and its ghost rule
 in `ghost_rules.py`), and `register_grad_samplers()`, which puts them into Opacus' own registry
-(`opacus.grad_sample.register_grad_sampler`). It is called once, from `hf_dp_repr/privacy/__init__.py`: importing
-anything of the package registers them, and no module imports this one for a side effect.
+(`opacus.grad_sample.register_grad_sampler`). `privacy/modules/__init__.py` calls it once, after every family has
+registered: every module that hooks a model imports `privacy.modules`, so the rules are in place first, and the
+torch-free parts of `privacy` (the accountants) load none of this.
 
 Without them Opacus falls back to functorch, which re-runs each module per example: correct but slow.
 Each rule receives the module's inputs (`activations`) and the gradient of the loss with respect to its
@@ -23,7 +24,7 @@ HF_GRAD_SAMPLERS = Registry("per-sample rule")  # module class → its rule; `re
 
 def register_per_sample_rule(module_class: type, *, replace: bool = False):
     """Decorator: `rule(layer, activations, backprops) -> {param: per-sample gradient}` for `module_class`,
-    installed into Opacus by `register_grad_samplers()` (at the package's import for the built-in families)."""
+    installed into Opacus by `register_grad_samplers()` (when `privacy.modules` loads, for the built-in families)."""
     def register(rule):
         HF_GRAD_SAMPLERS.add(module_class, rule, replace=replace)
         return rule
@@ -60,3 +61,4 @@ def batch_position_ids(model, inputs: dict) -> None:
     if ids is None or "position_ids" in inputs or "position_ids" not in inspect.signature(model.forward).parameters:
         return
     inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+

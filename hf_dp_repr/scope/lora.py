@@ -122,6 +122,10 @@ def apply_peft_config(model: nn.Module, peft_config) -> nn.Module:
         with warnings.catch_warnings():
             # PEFT's own notes on fan_in_fan_out are handled above and only concern layers it fixes itself.
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
+            # PeftModel reads transformers 5's deprecated `is_gradient_checkpointing` (peft's code, not ours): the
+            # FutureWarning asks the user for nothing
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
             wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
         # PEFT >= 0.18 raises NoMatchingPeftModuleError (a ValueError), e.g. with modules_to_save set too.

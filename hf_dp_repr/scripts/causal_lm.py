@@ -275,4 +275,6 @@ def _load_model(name, tokenizer, block_size, seed):
 
 
 if __name__ == "__main__":
-    main()
+    from .arguments import run_command
+
+    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2

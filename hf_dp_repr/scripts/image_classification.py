@@ -237,4 +237,6 @@ def _load_model(name, num_labels, id2label, train, image_col, seed):
 
 
 if __name__ == "__main__":
-    main()
+    from .arguments import run_command
+
+    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2

@@ -133,4 +133,6 @@ def load_text_data(margs: TextArguments):
 
 
 if __name__ == "__main__":
-    main()
+    from .arguments import run_command
+
+    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2

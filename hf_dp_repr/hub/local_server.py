@@ -1,25 +1,26 @@
-"""A Hub-compatible HTTP server for tests: the endpoints through which huggingface_hub (the `HfApi` client,
-`hf_hub_download`) and transformers (`push_to_hub`, `from_pretrained`) create a repository, commit files and read
-them back, served from memory on 127.0.0.1 (`LocalHub.start()`; the `hub` fixture in conftest.py points the client
-at it).
+"""A local Hub-compatible HTTP server, to try a push without a Hub account (the tests' `hub` fixture uses it): what
+huggingface_hub (`HfApi`, `hf_hub_download`) and transformers (`push_to_hub`, `from_pretrained`) need to create a
+repository, commit files and read them back, from memory on 127.0.0.1 (`LocalHub().start(port)`). Ctrl-C stops it:
+    python -m hf_dp_repr.hub.local_server --port 8000
+    HF_ENDPOINT=http://127.0.0.1:8000 HF_TOKEN=hf_write_someone hf-dp-repr push out/ --hub_model_id someone/dp-run
 
 What it speaks, as huggingface.co does (huggingface_hub's hf_api.py / _commit_api.py / file_download.py):
-- tokens (`Authorization: Bearer ...`): `TOKENS` below, each a user and a role (read, write or fine-grained with
-  scopes); an unknown token is refused with 401 on every endpoint, as the Hub does;
+- tokens (`Authorization: Bearer ...`): `TOKENS` below (a user and a role: read, write, fine-grained), others 401;
 - `GET /api/whoami-v2`, `POST /api/repos/create`, `POST /api/validate-yaml` (the card's YAML must be a mapping);
 - per model repository: `preupload` (every file "regular": no LFS, no Xet), the NDJSON `commit` (base64 "file"
   entries, deletions), `tree`, `refs`, `branch`, `model_info` (`/api/models/{id}[/revision/{rev}]`) and
   `HEAD`/`GET /{id}/resolve/{rev}/{path}` with the `X-Repo-Commit` and `ETag` headers;
 - private repositories: anonymous reads get 401, other users 404, both with `X-Error-Code: RepoNotFound`;
   writing needs a write token of the namespace's owner (or a member of its org with write role): else 403.
-Commits are snapshots (path -> bytes) with sha1 ids; a new repository starts with the Hub's `.gitattributes`
-commit. Any request this server does not know (501) or cannot read (500) is recorded in `unknown`, so a client that
-starts to speak another protocol fails loudly (the `hub` fixture checks it after each test).
+Commits are snapshots (path -> bytes), sha1 ids; a new repository starts with the Hub's `.gitattributes` commit. A
+request it does not know (501) or cannot read (500) is recorded in `unknown` (the `hub` fixture fails on it).
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import re
@@ -93,8 +94,9 @@ class LocalHub:
             self.unknown: list[str] = []
             self.hold_uploads: threading.Event | None = None  # if set: each preupload waits for it (at most 2 s)
 
-    def start(self) -> "LocalHub":
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    def start(self, port: int = 0) -> "LocalHub":
+        """Serve on 127.0.0.1:`port` (0: a free port) in a daemon thread; `url` is its address."""
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.hub = self
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -383,3 +385,16 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(404, "Entry not found", "EntryNotFound", {"X-Repo-Commit": commit.oid})
         data = commit.files[path]
         return 200, data, {"X-Repo-Commit": commit.oid, "ETag": f'"{git_blob_id(data)}"'}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hf_dp_repr.hub.local_server", description=__doc__.split("\n")[0])
+    parser.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free port)")
+    hub = LocalHub().start(parser.parse_args(argv).port)
+    print(f"local Hub at {hub.url}: HF_ENDPOINT={hub.url}, tokens {', '.join(TOKENS)}; Ctrl-C stops it", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
