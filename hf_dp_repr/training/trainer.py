@@ -284,6 +284,15 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels,
                                 label_smoothing=self.args.label_smoothing_factor)
 
+    def set_training_modes(self, scope=None) -> None:
+        """The modules' modes of a training forward in the phase of `scope` (also what the start-of-training probe
+        runs): train mode, but a linear probe's frozen backbone and a cut's frozen prefix in eval mode."""
+        self.model.train()
+        if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
+            set_probe_modes(self.model, scope.head_modules)
+        elif self.features.prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
+            set_frozen_prefix_modes(self.model, self.features.prefix_cut)
+
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self._sync_phase()
         stand_in = not inputs and self.sharded
@@ -292,12 +301,8 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         elif not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
             return torch.zeros((), device=self.args.device)
         model.train()
-        scope = self._scopes[min(self.engine.phase, len(self._scopes) - 1)] if self._scopes else None
+        self.set_training_modes(self._scopes[min(self.engine.phase, len(self._scopes) - 1)] if self._scopes else None)
         cache = self.features
-        if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
-            set_probe_modes(self.model, scope.head_modules)
-        elif cache.prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
-            set_frozen_prefix_modes(self.model, cache.prefix_cut)
         states = inputs.pop(STATES_KEY, None)
         inputs = self._prepare_inputs(inputs)
         if "labels" not in inputs:
