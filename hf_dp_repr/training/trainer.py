@@ -57,6 +57,7 @@ from .continual import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
 from .features import DPFeatureCacheMixin, FeatureCaches
+from .overrides import check_loss_overrides
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
 from .report import DPPrivacyReportMixin, announce_plan, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
@@ -74,6 +75,10 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
     about the data and the base model). The training loss logged by the Trainer is computed on private data and is
     not covered by the DP guarantee (which covers the weights); ε is logged as `epsilon`. `engine` is the run's
     `DPEngine` (None before training).
+
+    Custom objectives: override `per_example_loss(outputs, labels)` (one loss per example); a subclass overriding
+    `compute_loss` is refused, since training never calls it (`training.overrides`: a class whose compute_loss is for
+    evaluation only sets `compute_loss_handled = True` in its body).
     """
 
     def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, peft_config=None,
@@ -81,6 +86,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
                  public_eval_dataset=None, **kwargs):
         if not isinstance(args, DPTrainingArguments):
             raise ArgumentTypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
+        check_loss_overrides(type(self), DPTrainer)  # a compute_loss override would be silently ignored
         if kwargs.get("compute_loss_func") is not None:
             raise DPConfigError(
                 "DPTrainer: compute_loss_func returns a batch loss; DP-SGD needs one loss per example. "
