@@ -53,13 +53,13 @@ def vit_lp_then_ft(out, world: int, sharded: bool):
 
 
 def gpt2_run(out, world: int, sharded: bool = True, resume: str | None = None, **kw):
-    """A tiny GPT-2 (tied wte/lm_head), AdamW, σ = 0.7 with noise_seed, 2 steps of 2 micro-batches, a checkpoint at
-    each step. Returns (the trainer, its final weights)."""
+    """A tiny GPT-2 (tied wte/lm_head), AdamW (or `optim=`), σ = 0.7 with noise_seed, 2 steps of 2 micro-batches, a
+    checkpoint at each step. Returns (the trainer, its final weights)."""
     from hf_dp_repr.tiny import tiny_gpt2
     from utils import make_token_dataset
 
-    args = _args(out, world, sharded, noise_multiplier=0.7, max_steps=2, optim="adamw_torch", save_strategy="steps",
-                 save_steps=1, **kw)
+    args = _args(out, world, sharded, **{"noise_multiplier": 0.7, "max_steps": 2, "optim": "adamw_torch",
+                                         "save_strategy": "steps", "save_steps": 1, **kw})
     trainer = DPTrainer(model=tiny_gpt2(seed=0), args=args, train_dataset=make_token_dataset(n=48))
     trainer.train(resume_from_checkpoint=resume)
     weights = full_weights(trainer.model)

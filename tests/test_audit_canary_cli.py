@@ -22,7 +22,7 @@ def folders(digits, tmp_path_factory):
 
 def _argv(folders, *extra, training=("--noise_multiplier", "0")):
     return ["audit", "canaries", "--model", str(folders / "model"), "--train", str(folders / "train"), *extra,
-            "--", *training, *QUICK]
+            "--", *QUICK, *training]
 
 
 def test_dirac_canary_audit_of_a_run_without_noise(folders, tmp_path, capsys):
@@ -35,7 +35,28 @@ def test_dirac_canary_audit_of_a_run_without_noise(folders, tmp_path, capsys):
     assert report["correct"] == report["guesses"] == 16 and report["epsilon_lower_bound"] > 1.5
     assert not any(isinstance(v, list) for v in report.values())  # counts only: the secret draw is not written
     assert sorted(p.name for p in out.iterdir()) == ["privacy_audit_canaries.json"]  # the audit's run is not saved
-    assert "16 of 16 guesses right" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "16 of 16 guesses right" in printed.out
+    # sampled ~13 times each: the ceiling is the bound of 16 right guesses, and ε = ∞ (σ = 0) gets no warning
+    assert report["epsilon_ceiling"] == pytest.approx(report["epsilon_lower_bound"]) and "WARNING" not in printed.err
+
+
+def test_an_audit_too_weak_for_the_claimed_epsilon_says_so_before_training(folders, tmp_path, capsys):
+    """The review's run (20 steps, each canary sampled 0.43 times) missed noise switched off without a word."""
+    from hf_dp_repr.audit.bounds import one_run_ceiling
+
+    out = tmp_path / "weak"
+    weak = ("--target_epsilon", "8", "--max_steps", "2", "--per_device_train_batch_size", "8")
+    assert main(_argv(folders, "--canaries", "64", "--k", "8", "--out", str(out), training=weak)) == 0
+    printed = capsys.readouterr()
+    report = json.loads((out / "privacy_audit_canaries.json").read_text())
+    # q = 8 / (64 rows + 32 canaries expected), 2 steps: an included canary is sampled with probability 1 - (1 - q)²
+    q = 8 / 96
+    assert report["epsilon_ceiling"] == pytest.approx(one_run_ceiling(64, 8, 1 - (1 - q) ** 2, 1e-5), abs=1e-9)
+    assert report["epsilon_ceiling"] < 1 < report["claimed_epsilon"] <= 8
+    assert f"each canary is sampled {2 * q:.3g} times on average" in printed.out
+    assert printed.out.index("can certify at most ε") < printed.out.index("guesses right")  # before training's end
+    assert "WARNING: the audit cannot certify the claimed ε = 8" in printed.err
 
 
 def _refused(argv, out, match):

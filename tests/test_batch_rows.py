@@ -15,6 +15,8 @@ from transformers.utils import ModelOutput
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError, NotPrivatizableError
 from hf_dp_repr.privacy.batch_rows import ExampleRows, RowsProbe, rows_per_example
+from hf_dp_repr.privacy.probe import probe_training_rows
+from hf_dp_repr.privacy.sampler import ExampleBatchCollator
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import (
     brute_force_update,
@@ -211,3 +213,55 @@ def test_random_collator_that_keeps_examples_apart_trains(token_dataset, tmp_pat
                         train_dataset=token_dataset, data_collator=drop_tokens)
     trainer.train()
     assert trainer.ledger.steps_done == 2
+
+
+class CentredInTraining(nn.Module):
+    """Batch centring in training, a fixed buffer in eval (as a custom normalisation would do): the eval-mode probe
+    accepted it, and one outlier moved the clipped sum by 4.39·C (bound 2)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("centre", torch.zeros(d))
+
+    def forward(self, x):
+        return x - (x.mean(0, keepdim=True) if self.training else self.centre)
+
+
+def test_model_that_mixes_examples_only_in_training_is_refused_naming_the_module(digits, tmp_path):
+    model = tiny_vit()
+    model.classifier = nn.Sequential(CentredInTraining(model.classifier.in_features), model.classifier)
+    refused_before_any_step(model, digits["train"].select(range(32)), tmp_path, NotPrivatizableError,
+                            r"(?s)an example's loss changes when the other rows.*classifier\.0 \(CentredInTraining\)")
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_dropout_is_not_mistaken_for_mixing_and_the_probe_leaves_no_trace(attention, token_dataset, tmp_path):
+    """The probe runs in training mode with dropout off (its draws would differ between the two passes), and puts
+    back what it changed: the modules' modes and the buffers a training forward may update."""
+    model = tiny_gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, attn_implementation=attention)
+    trainer = DPTrainer(model=model, args=args_for(tmp_path, per_device_train_batch_size=4, max_steps=1),
+                        train_dataset=token_dataset)
+    model.eval()
+    assert probe_training_rows(trainer, token_dataset, ExampleBatchCollator(default_data_collator)) == set()
+    assert not any(m.training for m in model.modules())
+    trainer.train()
+    assert trainer.ledger.steps_done == 1
+
+
+def test_the_probe_restores_buffers_a_training_forward_updates(digits, tmp_path):
+    class Counting(nn.Module):  # a per-row layer that counts its training calls in a buffer
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            if self.training:
+                self.calls += 1
+            return x
+
+    model = tiny_vit()
+    model.classifier = nn.Sequential(Counting(), model.classifier)
+    data = digits["train"].select(range(8))
+    trainer = DPTrainer(model=model, args=args_for(tmp_path, per_device_train_batch_size=4), train_dataset=data)
+    probe_training_rows(trainer, data, ExampleBatchCollator(default_data_collator))
+    assert model.classifier[0].calls.item() == 0 and model.training

@@ -8,7 +8,9 @@ import json
 import re
 
 import pytest
+import torch
 from huggingface_hub import ModelCard
+from transformers import TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.hub import check_pushable, public_metrics
@@ -65,7 +67,7 @@ def test_a_default_run_states_the_replace_one_guarantee_dp_accounting_computes(d
 def test_the_metrics_files_hold_nothing_about_the_batches_drawn(default_run):
     # total_flos = 6 · parameters · Σ |B_t| · tokens: it would give the sizes of the secret Poisson batches.
     trainer, out = default_run
-    assert trainer.state.total_flos > 0
+    assert trainer.state.total_flos == 0  # a DP run counts none (test_total_flos_reaches_no_log_...)
     for name in ("all_results.json",):
         assert "total_flos" not in json.loads((out / name).read_text())
     assert public_metrics({"total_flos": 1.0e9, "epoch": 2.0, "eval_loss": 0.5}) == {"epoch": 2.0, "eval_loss": 0.5}
@@ -75,6 +77,51 @@ def test_the_metrics_files_hold_nothing_about_the_batches_drawn(default_run):
             check_pushable(out)
     finally:
         (out / "eval_results.json").unlink()
+
+
+class Onlooker(TrainerCallback):
+    """What a callback (and so any `report_to` tracker) can read: the logs, and each parameter's tensors and tensor
+    attributes just before the optimizer step."""
+
+    def __init__(self):
+        self.logs, self.before_step = [], []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.before_step.append({f"{name}.{attr}": value for name, p in model.named_parameters() if p.requires_grad
+                                 for attr, value in [("grad", p.grad), *vars(p).items()]
+                                 if isinstance(value, torch.Tensor)})
+
+
+@pytest.fixture(scope="module")
+def watched_run(tmp_path_factory, digits):
+    out = tmp_path_factory.mktemp("watched_run")
+    onlooker = Onlooker()
+    args = DPTrainingArguments(output_dir=str(out), noise_multiplier=1.0, max_steps=2, per_device_train_batch_size=8,
+                               gradient_accumulation_steps=2, logging_steps=1, save_steps=2, report_to="none",
+                               disable_tqdm=True)
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"].select(range(64)),
+                        callbacks=[onlooker])
+    result = trainer.train()
+    return trainer, out, onlooker, result
+
+
+def test_total_flos_reaches_no_log_tracker_or_checkpoint(watched_run):
+    # The Trainer's total_flos (6 · parameters · Σ|B_t| · pixels) gave the secret batch sizes to every on_log.
+    trainer, out, onlooker, result = watched_run
+    assert onlooker.logs and not any("total_flos" in logs for logs in onlooker.logs)
+    assert not any("total_flos" in entry for entry in trainer.state.log_history)
+    assert "total_flos" not in result.metrics
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["total_flos"] == 0 and not any("total_flos" in entry for entry in state["log_history"])
+
+
+def test_callbacks_see_no_pre_noise_sum_before_the_optimizer_step(watched_run):
+    # At on_pre_optimizer_step each parameter carried `summed_grad`: the clipped sum before noise.
+    _, _, onlooker, _ = watched_run
+    assert len(onlooker.before_step) == 2 and onlooker.before_step == [{}, {}]
 
 
 def test_an_add_remove_run_gets_a_card_whose_guarantee_is_its_replace_one_epsilon():

@@ -54,7 +54,7 @@ def read_rows(tmp_path):
 
 
 def check_four_trial_search(trainer, hp_space, tmp_path):
-    best = trainer.hyperparameter_search(hp_space=hp_space, n_trials=4, direction="maximize")
+    best = trainer.hyperparameter_search(hp_space=hp_space, n_trials=4, direction="maximize", tuning_data="public")
     rows = read_rows(tmp_path)
     assert len(rows) == 4 and {r["tuning_data"] for r in rows} == {"public"}
     for r in rows:
@@ -92,7 +92,8 @@ def test_pruning_goes_through_evaluation(digits, tmp_path):
     trainer = make_trainer(digits, tmp_path, eval_strategy="epoch")
     fixed = lambda t: {"num_train_epochs": t.suggest_categorical("num_train_epochs", [2]),  # noqa: E731
                        "per_device_train_batch_size": t.suggest_categorical("per_device_train_batch_size", [64])}
-    trainer.hyperparameter_search(hp_space=fixed, n_trials=2, direction="maximize", pruner=PruneAfterFirstTrial())
+    trainer.hyperparameter_search(hp_space=fixed, n_trials=2, direction="maximize", pruner=PruneAfterFirstTrial(),
+                                  tuning_data="public")
     first, second = read_rows(tmp_path)
     assert (first["state"], second["state"]) == ("COMPLETE", "PRUNED")
     assert float(second["epsilon_spent"]) < float(second["epsilon_planned"])  # stopped after its first epoch
@@ -131,7 +132,8 @@ def test_private_search_reports_the_papernot_steinke_total(digits, tmp_path):
     (dict(tuning_data="private", trial_count=TrialCount.geometric(0.5)), "eval_data_public=True"),
     (dict(tuning_data="private", trial_count=TrialCount.geometric(0.5), eval_data_public=True,
           sampler=optuna.samplers.TPESampler()), "adaptive sampler"),
-    (dict(n_trials=2, hp_space=lambda t: {"target_epsilon": 8.0}), "define the privacy guarantee"),
+    (dict(n_trials=2, hp_space=lambda t: {"target_epsilon": 8.0}, tuning_data="public"),
+     "define the privacy guarantee"),
     (dict(tuning_data="private", trial_count=TrialCount.geometric(0.5), eval_data_public=True,
           hp_space=lambda t: {"max_steps": t.suggest_int("max_steps", 2, 4)}), "suggest_categorical"),
     (dict(tuning_data="somewhere", n_trials=2), "tuning_data='somewhere'"),
@@ -285,6 +287,18 @@ def test_a_private_search_with_a_privacy_unit_counts_units(digits, tmp_path, mon
     assert json.loads((tmp_path / "best_trial" / "privacy_ledger.json").read_text())["dataset_size"] == 60
 
 
+def test_a_search_that_does_not_say_what_it_tunes_on_is_refused_before_any_trial(digits, tmp_path):
+    """The default used to be "public": four trials ran on the trainer's private set with one warning, and
+    best_trial/'s card stated the trial's ε without the search."""
+    from hf_dp_repr import TuningDataError
+
+    trainer = make_trainer(digits, tmp_path, n=64, max_steps=1)
+    with pytest.raises(TuningDataError, match=r"tuning_data is not given.*64 rows.*Fix: tuning_data='private'.*"
+                                              r"tuning_data='public' or 'held_out'"):
+        trainer.hyperparameter_search(n_trials=4, direction="maximize")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no trial ran, nothing written
+
+
 def test_public_tuning_on_the_private_training_set_is_refused(digits, tmp_path):
     from hf_dp_repr import TuningDataError
 
@@ -293,7 +307,7 @@ def test_public_tuning_on_the_private_training_set_is_refused(digits, tmp_path):
     trainer = make_trainer(digits, tmp_path / "a", n=200, max_steps=1)
     trainer.train()
     with pytest.raises(TuningDataError, match=r"tuning_data='public'.*private training set.*tuning_data='private'"):
-        trainer.hyperparameter_search(hp_space=one_step, n_trials=1)
+        trainer.hyperparameter_search(hp_space=one_step, n_trials=1, tuning_data="public")
     same_rows = make_trainer(digits, tmp_path / "b", n=200)  # another trainer, the same data
     with pytest.raises(TuningDataError, match="tuning_data='held_out'"):
         same_rows.hyperparameter_search(hp_space=one_step, n_trials=1, tuning_data="held_out")
@@ -302,7 +316,7 @@ def test_public_tuning_on_the_private_training_set_is_refused(digits, tmp_path):
     # A search that calls its data public, then the final run on that data: refused (its card would state the
     # run's ε without the search's).
     trainer = make_trainer(digits, tmp_path / "c", n=150)
-    best = trainer.hyperparameter_search(hp_space=one_step, n_trials=1)
+    best = trainer.hyperparameter_search(hp_space=one_step, n_trials=1, tuning_data="public")
     for key, value in best.hyperparameters.items():
         setattr(trainer.args, key, value)
     with pytest.raises(TuningDataError, match="tuning_data='public'.*tuned on this training set"):

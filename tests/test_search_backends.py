@@ -52,5 +52,5 @@ def test_a_registered_backend_runs_and_its_run_hooks_see_each_train(digits, tmp_
     monkeypatch.setitem(SEARCH_BACKENDS, "test", None)  # removed again after the test
     register_search_backend("test", backend, replace=True)
     trainer = _trainer(digits, tmp_path)
-    assert trainer.hyperparameter_search(backend="test") == "done"
+    assert trainer.hyperparameter_search(backend="test", tuning_data="public") == "done"
     assert seen == [(trainer, "complete", 1)]

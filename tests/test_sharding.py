@@ -280,6 +280,23 @@ def test_a_sharded_resume_from_a_checkpoint_missing_a_tensor_is_refused(one_rank
         trainer().train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
 
 
+@pytest.mark.parametrize("optim, state", [("sgd", "empty"), pytest.param("sgd", "momentum", marks=pytest.mark.slow),
+                                          pytest.param("adamw_torch", "moments", marks=pytest.mark.slow)])
+def test_a_sharded_run_resumes_exactly_whatever_its_optimizer_state(optim, state, one_rank_group, tmp_path):
+    """Plain SGD keeps no state: the resume failed in torch's set_optimizer_state_dict ('Expected device to be
+    set'). Every optimizer, with an empty state or not, resumes to the weights and ε of the run straight through
+    (checked with 2 gloo processes too, by hand: plain SGD and SGD with momentum, max |Δw| = 0, the same ε)."""
+    from sharded_runs import gpt2_run
+
+    kw = {"optim": optim, "optim_args": "momentum=0.9" if state == "momentum" else None}
+    straight, weights = gpt2_run(tmp_path / "straight", 1, **kw)
+    resumed, again = gpt2_run(tmp_path / "resumed", 1, resume=str(tmp_path / "straight" / "checkpoint-1"), **kw)
+    assert all(torch.equal(again[n], weights[n]) for n in weights)
+    assert resumed.epsilon() == straight.epsilon() and resumed.ledger.steps_done == 2
+    saved = torch.load(tmp_path / "straight" / "checkpoint-1" / "optimizer.pt", weights_only=True)
+    assert bool(saved["state"]) == (state != "empty")  # the states were what the case says
+
+
 @pytest.mark.slow
 def test_the_lm_recipe_runs_sharded_under_accelerate_launch(tmp_path):
     """The README's launch: `accelerate launch cpu_2proc.yaml recipes/dp_causal_lm.py --fsdp full_shard --fsdp_config

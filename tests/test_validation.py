@@ -85,3 +85,38 @@ def test_one_row_per_example_check():
         check_one_row_per_example({"input_ids": ids.view(1, 12)}, 2)
     with pytest.raises(ValueError, match="`position_ids` restart inside a row"):
         check_one_row_per_example({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}, 1)
+
+
+# ---- a compute_loss override ---------------------------------------------------------------------------
+def test_a_compute_loss_override_is_refused_naming_per_example_loss(tmp_path):
+    """It was called 0 times in training: the run trained on the per-example loss without a word."""
+    from transformers import Trainer
+
+    class Weighted(DPTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 2 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    with pytest.raises(ValueError, match=r"Weighted overrides `compute_loss`.*override `per_example_loss`"):
+        Weighted(model=tiny_vit(), args=_args(tmp_path / "never"))
+
+    class EvalOnly(Weighted):  # declared in the class that defines it: accepted
+        compute_loss = Weighted.compute_loss
+        compute_loss_handled = True
+
+    EvalOnly(model=tiny_vit(), args=_args(tmp_path / "never"))
+
+    class Again(EvalOnly):  # the declaration does not cover a further override
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    with pytest.raises(ValueError, match="Again overrides `compute_loss`"):
+        Again(model=tiny_vit(), args=_args(tmp_path / "never"))
+
+    class TRLLike(Trainer):  # a library trainer's compute_loss, after DPTrainer in the MRO (DPSFTTrainer's shape)
+        def compute_loss(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    class DPTRLLike(DPTrainer, TRLLike):
+        pass
+
+    DPTRLLike(model=tiny_vit(), args=_args(tmp_path / "never"))

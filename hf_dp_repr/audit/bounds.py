@@ -10,6 +10,13 @@ q = e^ε / (1 + e^ε) (the accuracy of ε-randomised response) and f(u) = P[Bino
 p(ε) grows with ε; the lower bound at confidence 1 − β is the largest ε with p(ε) ≤ β: every smaller ε is
 rejected at level β. With δ = 0 the second term vanishes.
 
+What a one-run audit can certify at most (`one_run_ceiling`), before training: an included canary that is never
+sampled (Poisson rate q over T steps: with probability (1 − q)^T) leaves no trace, so even a run with noise and
+clipping switched off lets a perfect guesser tell apart only the included canaries that were sampled. With m/2 of
+them included and each seen with probability s, the expected right guesses of the best guesser (k "in" guesses on
+the canaries seen, then on the unseen; k "out" guesses on the unseen, which are excluded with probability
+1/(2 − s)) give the bound above; below the run's claimed ε the audit cannot tell a broken run from a correct one.
+
 Multi-run: a threshold attack on one canary over N runs with it and N without gives TPR and FPR. Any (ε, δ)-DP
 training satisfies TPR ≤ e^ε FPR + δ and (1 − FPR) ≤ e^ε (1 − TPR) + δ, so with one-sided Clopper–Pearson
 bounds (TPR_lo, FPR_hi, each at level β/2, jointly 1 − β)
@@ -21,6 +28,10 @@ Example:
     3.493
     >>> one_run_epsilon_lower_bound(m=1000, r=100, v=50, delta=1e-5, beta=0.05)             # chance level
     0.0
+    >>> one_run_ceiling(m=1000, k=50, seen=1.0, delta=0.0) == one_run_epsilon_lower_bound(1000, 100, 100, 0.0)
+    True
+    >>> round(one_run_ceiling(m=100, k=25, seen=0.35, delta=1e-5), 3)   # each sampled 0.43 times on average
+    0.394
     >>> lo, hi = clopper_pearson(45, 50, alpha=0.05); round(lo, 4), round(hi, 4)
     (0.8012, 0.9598)
 """
@@ -74,6 +85,19 @@ def one_run_epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: floa
         if hi > 1e3:  # p(ε) stays below β for every ε (e.g. δ = 0 and v = r large): no finite bound needed
             return math.inf
     return float(optimize.brentq(lambda e: one_run_p_value(m, r, v, e, delta) - beta, 0.0, hi, xtol=1e-9))
+
+
+def one_run_ceiling(m: int, k: int, seen: float, delta: float, beta: float = 0.05) -> float:
+    """The bound `one_run_epsilon_lower_bound` gives on the expected right guesses of a perfect guesser when each
+    included canary is sampled at least once with probability `seen` (module docstring): the most the audit of m
+    canaries and 2k guesses can certify, whatever the run."""
+    _check_counts(m, 2 * k, 0)
+    if not 0 <= seen <= 1:
+        raise ArgumentError(f"seen (the probability that an included canary is sampled) must be in [0, 1], got {seen}")
+    detected = m / 2 * seen
+    unseen_included = (1 - seen) / (2 - seen)  # share of included canaries among those that left no trace
+    right = min(k, detected) + max(k - detected, 0) * unseen_included + k / (2 - seen)
+    return one_run_epsilon_lower_bound(m, 2 * k, min(2 * k, round(right)), delta, beta)
 
 
 def clopper_pearson(successes: int, trials: int, alpha: float = 0.05) -> tuple[float, float]:

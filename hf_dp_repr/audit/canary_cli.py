@@ -7,9 +7,11 @@
 It trains the model in `--model` (a `save_pretrained` folder: the starting weights, e.g. the public pre-trained
 model) once with DPTrainer on `--train` plus the included canaries, under the `DPTrainingArguments` given after
 `--` (the recipes' flags), guesses which canaries were trained on and writes DIR/privacy_audit_canaries.json: m,
-k, guesses, correct, the ε lower bound at `--confidence`, the claimed ε. The audit's run is not kept (its model
-carries the canaries): it runs in a temporary folder with `save_strategy="no"`; a save strategy, `--output_dir`
-or `--push_to_hub` is refused.
+k, guesses, correct, the ε lower bound at `--confidence`, the most it could certify (`epsilon_ceiling`), the claimed
+ε. Before training it prints that ceiling (`audit_ceiling`: how often a canary is sampled bounds what even a run with
+noise off can reveal) and warns when it is below the claimed ε: the audit cannot tell a broken run from a correct one.
+The audit's run is not kept (its model carries the canaries): it runs in a temporary folder with
+`save_strategy="no"`; a save strategy, `--output_dir` or `--push_to_hub` is refused.
 
 - `--kind dirac` (default, `audit.dirac`): white-box gradient canaries; they measure each clipped update, so they
   catch noise or clipping switched off;
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -126,19 +129,43 @@ def _inputs(args: argparse.Namespace, num_labels: int):
     return train, make_canaries(source, args.canaries, args.kind, num_labels)
 
 
+def audit_ceiling(args: argparse.Namespace, targs, train_rows: int) -> tuple[float, float]:
+    """Before training: (the most ε the audit can certify, the ε the run will claim). The run's plan (sample rates
+    and steps) on the training set plus the m/2 canaries expected in it gives the chance s that an included canary is
+    sampled at least once; `bounds.one_run_ceiling` turns it into the bound of a perfect guesser."""
+    from ..training.plan import plan_run
+    from .bounds import one_run_ceiling
+
+    plan = plan_run(targs, train_rows + args.canaries // 2)
+    unseen = math.prod((1 - phase.sample_rate) ** phase.steps for phase in plan.phases)
+    expected = sum(phase.sample_rate * phase.steps for phase in plan.phases)
+    ceiling = one_run_ceiling(args.canaries, args.k, 1 - unseen, targs.target_delta, 1 - args.confidence)
+    claimed = plan.planned_epsilon()
+    print(f"Before training: each canary is sampled {expected:.3g} times on average ({1 - unseen:.1%} of the included "
+          f"ones at least once), so {args.canaries} canaries and {2 * args.k} guesses can certify at most ε ≈ "
+          f"{ceiling:.3g} at {args.confidence:.0%} confidence (claimed ε = {claimed:.3g}).")
+    if ceiling < claimed < math.inf:
+        print(f"WARNING: the audit cannot certify the claimed ε = {claimed:.3g} (at most {ceiling:.3g}): it cannot "
+              "tell a broken run (noise or clipping off) from a correct one. Give more canaries (--canaries, --k) or "
+              "more sampling (more steps or epochs, a larger batch) for the audit to mean something.", file=sys.stderr)
+    return ceiling, claimed
+
+
 def _train_and_guess(args: argparse.Namespace, targs) -> dict:
     from ..analysis.inputs import load_model
 
     model, _ = load_model(args.model, "cpu")
     train, canaries = _inputs(args, int(model.config.num_labels))
+    ceiling, _ = audit_ceiling(args, targs, len(train))
     beta = 1 - args.confidence
     if canaries is None:
         from .dirac import train_with_dirac_canaries
 
-        return train_with_dirac_canaries(model, targs, train, args.canaries, k=args.k, beta=beta)
+        return {**train_with_dirac_canaries(model, targs, train, args.canaries, k=args.k, beta=beta),
+                "epsilon_ceiling": ceiling}
     from .canaries import train_with_canaries
 
-    return train_with_canaries(model, targs, train, canaries, k=args.k, beta=beta)
+    return {**train_with_canaries(model, targs, train, canaries, k=args.k, beta=beta), "epsilon_ceiling": ceiling}
 
 
 def run_canary_audit(args: argparse.Namespace) -> int:
@@ -152,7 +179,7 @@ def run_canary_audit(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hf-dp-repr-canary-audit-") as run_dir:
         result = _train_and_guess(args, training_arguments(args.training_args, run_dir))
     keys = ("canaries", "included", "k", "guesses", "correct", "delta", "confidence", "epsilon_lower_bound",
-            "claimed_epsilon", "noise_multiplier", "training_examples")
+            "epsilon_ceiling", "claimed_epsilon", "noise_multiplier", "training_examples")
     report = {"kind": args.kind, "model": str(args.model), "train": args.train, **{key: result[key] for key in keys},
               "covered_by_dp": COVERED}
     out = Path(args.out)

@@ -1,6 +1,7 @@
 """The attributes DP training attaches to parameters, in one list, and their clean-up.
 
-Opacus' hooks set `grad_sample` and `_forward_counter`; the micro-batch optimizer keeps `summed_grad`; the trainer
+Opacus' hooks set `grad_sample` and `_forward_counter`; Opacus' optimizer sets `summed_grad` (to None: the micro-batch
+optimizer keeps its clipped sums off the parameters, `MicroBatchDPOptimizer._clipped_sums`); the trainer
 names each parameter `_dp_name` for error messages. None of them may outlive training (a saved or merged copy
 would carry per-example gradients or stale sums).
 

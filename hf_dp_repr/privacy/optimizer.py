@@ -57,6 +57,9 @@ class MicroBatchDPOptimizer(DPOptimizer):
         self.ghost = ghost
         self.reduction = reduction
         self.whole_units = whole_units
+        # The clipped sums before noise, per parameter: kept here, never on the parameters, where callbacks (at
+        # on_pre_optimizer_step) and trackers would read them (Opacus keeps them as `p.summed_grad`).
+        self._clipped_sums: dict[torch.nn.Parameter, torch.Tensor] = {}
 
     def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None, stand_in: bool = False) -> None:
         """Clip the per-sample gradients of the micro-batch just back-propagated, add them to the clipped sum
@@ -116,7 +119,7 @@ class MicroBatchDPOptimizer(DPOptimizer):
         for p, total in self.ghost.each_clipped_sum({p: factors[:, j] for j, p in enumerate(self.params)}):
             if fold is not None:
                 total = fold(p, total)
-            p.summed_grad = total if p.summed_grad is None else p.summed_grad + total
+            self._add_clipped(p, total)
         self._drop_unclipped()
 
     def _drop_unclipped(self) -> None:
@@ -137,7 +140,11 @@ class MicroBatchDPOptimizer(DPOptimizer):
         factors = self.clip_factors(torch.stack([g.norm(2, dim=1) for g in grads], dim=1))
         for j, (p, g) in enumerate(zip(self.params, grads)):
             clipped = (factors[:, j] @ g).view(p.shape)
-            p.summed_grad = clipped if p.summed_grad is None else p.summed_grad + clipped
+            self._add_clipped(p, clipped)
+
+    def _add_clipped(self, p: torch.nn.Parameter, clipped: torch.Tensor) -> None:
+        held = self._clipped_sums.get(p)
+        self._clipped_sums[p] = clipped if held is None else held + clipped
 
     def _accumulate_units(self, unit_ids: torch.Tensor) -> None:
         """Sum the rows of each unit; clip and add every unit that ends in this micro-batch; keep the unit of
@@ -171,6 +178,11 @@ class MicroBatchDPOptimizer(DPOptimizer):
         if ids and sums is not None:
             self.clip_and_accumulate(sums)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As Opacus' (which drops its `summed_grad`): the gradients and the clipped sums so far."""
+        super().zero_grad(set_to_none)
+        self._clipped_sums = {}
+
     def pre_step(self, closure=None) -> bool:
         """update = the reduction of the clipped sums (default "ddp": Σ clipped + N(0, σ²C²) on rank 0, summed over
         ranks, / expected global batch)."""
@@ -179,14 +191,14 @@ class MicroBatchDPOptimizer(DPOptimizer):
             self._close_units([self._open_unit[0]], self._open_unit[1])
             self._open_unit = None
         self._closed_units = set()
-        sums = [p.summed_grad if p.summed_grad is not None else _zero_sum(p) for p in self.params]
+        sums = [self._clipped_sums.pop(p) if p in self._clipped_sums else _zero_sum(p) for p in self.params]
+        self._clipped_sums = {}
         grads = self.reduction(NoisySum(
             self.params, sums, noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
             expected_batch_size=self.expected_batch_size, noise_generator=self.noise_generator,
             secure_mode=self.secure_mode, rank=self.rank, world_size=self.world_size))
         for p, grad in zip(self.params, grads):
             p.grad = grad.to(p.dtype)
-            p.summed_grad = None
         if self.step_hook:
             self.step_hook(self)
         return True

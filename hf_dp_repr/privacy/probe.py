@@ -12,8 +12,15 @@ per-example clipping takes for granted, and refuse, naming the culprit, what it 
 - no trained tensor is used outside a call of a module that owns it (`h @ E.T` in a model's forward): neither
   engine sees such a use (they read modules' inputs and output gradients), so its gradient would be wrong.
 
-Cost: two forwards of the model on at most 4 rows, in eval mode, and a few collations. The probe's batches and
-seeded collations serve these checks only (the global generators are restored after each collation).
+The forwards run in the modes of a training forward (`DPTrainer.set_training_modes`: train mode, a frozen
+backbone or prefix in eval mode), since a layer may mix examples only in training (batch statistics there, a fixed
+buffer in eval); dropout is switched off for them (`DropoutOff`: its draws would differ between the passes, and a
+mask drawn per element keeps rows apart anyway), and the buffers a training forward may update are put back. Other
+random draws of a training forward (stochastic depth: `drop_path_rate > 0`) look like mixing to this check: switch
+them off. When an example's loss moves, the module whose output rows first stop following the examples is named.
+
+Cost: two forwards of the model on at most 4 rows and a few collations. The probe's batches and seeded collations
+serve these checks only (the global generators are restored after each collation).
 
     >>> import torch
     >>> from transformers import default_data_collator
@@ -36,11 +43,12 @@ import random
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import DPConfigError, NotPrivatizableError
-from .batch_rows import RowsProbe, close_enough, hooked_modules, rows_per_example
+from .batch_rows import RowsProbe, close_enough, first_tensor, hooked_modules, rows_per_example
 from .grad_samplers import batch_position_ids
 from .sampler import UNIT_KEY
 
@@ -140,6 +148,67 @@ class ParameterUses(TorchFunctionMode):
         return out
 
 
+DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+            torch.dropout, torch.dropout_, torch.alpha_dropout, torch.alpha_dropout_, torch.feature_dropout,
+            torch.feature_dropout_, torch.feature_alpha_dropout, torch.feature_alpha_dropout_}
+
+
+class DropoutOff(TorchFunctionMode):
+    """Dropout as in eval mode (the input as it is), attention without dropout, the rest of the forward as in
+    training: what the probe's two passes run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+class RowPrints:
+    """For one forward of `n` rows: each module call's output (its first tensor, example-major) reduced to a few
+    numbers per row, in the order the calls end (a module ends before its parent)."""
+
+    def __init__(self, model: nn.Module, n: int):
+        self.names = {m: name or "<root>" for name, m in model.named_modules()}
+        self.n, self.prints, self._handles = n, [], []
+
+    def __enter__(self):
+        self._handles = [m.register_forward_hook(self._record) for m in self.names]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+    def _record(self, module, args, output):
+        t = first_tensor(output)
+        if t is None or not t.is_floating_point() or not t.dim() or t.shape[0] % self.n or not t.numel():
+            self.prints.append((module, None))
+            return
+        rows = t.detach().reshape(self.n, -1).double()
+        ramp = torch.linspace(1, 2, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        self.prints.append((module, torch.stack([rows.sum(1), (rows * rows).sum(1), (rows * ramp).sum(1)], 1)))
+
+
+def first_mixing_module(first: RowPrints, second: RowPrints, order: list[int], tol: float) -> str | None:
+    """The first module call (in the order calls end) whose output rows on the reordered examples (`second`) are
+    not those of `first` reordered: 'path (Type)', or None when the two passes cannot be matched call by call."""
+    if [m for m, _ in first.prints] != [m for m, _ in second.prints]:
+        return None
+    for (module, a), (_, b) in zip(first.prints, second.prints):
+        if a is None or b is None:
+            continue
+        a = a[order]
+        if not torch.allclose(b, a, rtol=tol, atol=tol * float(a.abs().max().clamp(min=1e-3))):
+            return f"{first.names[module]} ({type(module).__name__})"
+    return None
+
+
 def _op_name(func) -> str:
     """`torch.matmul`, `Tensor.T` (a property's getter), ..."""
     owner = getattr(func, "__self__", None)
@@ -159,20 +228,27 @@ def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
     order = [0] + list(range(k - 1, 0, -1)) + [0]  # the rows reordered, then a copy of the first
     again = {key: v[order] if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
     model = trainer.model
-    training, trained = model.training, {p: p.requires_grad for p in model.parameters()}
+    modes, trained = {m: m.training for m in model.modules()}, {p: p.requires_grad for p in model.parameters()}
+    buffers = {b: b.detach().clone() for b in model.buffers()}  # a training forward may update some (counters ...)
     if scope is not None:
         scope.apply(model)
-    model.eval()
+    set_modes = getattr(trainer, "set_training_modes", None)
+    set_modes(scope) if set_modes is not None else model.train()
     try:
         first, second, uses = RowsProbe(model, k, copy=False), RowsProbe(model, k + 1, copy=True), ParameterUses(model)
-        with first, uses:
+        prints, prints_again = RowPrints(model, k), RowPrints(model, k + 1)
+        with first, prints, uses, DropoutOff():
             losses = _losses(trainer, batch)
-        with second, torch.no_grad():
+        with second, prints_again, torch.no_grad(), DropoutOff():
             losses_again = _losses(trainer, again)
     finally:
-        model.train(training)
+        for m, flag in modes.items():
+            m.training = flag
         for p, flag in trained.items():
             p.requires_grad_(flag)
+        with torch.no_grad():
+            for b, value in buffers.items():
+                b.copy_(value)
     if uses.outside:
         listed = ", ".join(f"{name} (by {op})" for name, op in uses.outside.items())
         raise NotPrivatizableError(
@@ -182,18 +258,27 @@ def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
             "`head.weight = embedding.weight; head(h)`), or freeze them (`requires_grad_(False)`).")
     several = rows_per_example(first, second)
     if losses is not None and not _close(losses_again, losses[order], model):
+        culprit = first_mixing_module(prints, prints_again, order, _tolerance(model))
+        where = (f"the first module whose output rows stop following the examples is {culprit}" if culprit else
+                 "no module's output rows were seen to mix: `per_example_loss` may")
         raise NotPrivatizableError(
             "DPTrainer: an example's loss changes when the other rows of its micro-batch change (the model's "
-            f"per-example losses on rows {order} are not those on rows {list(range(k))} reordered): the model or "
-            "`per_example_loss` mixes examples (batch statistics, a batch-wide normalisation ...), so one example "
-            "would move other examples' clipped gradients. Fix: compute each example's loss from its own row only.")
+            f"per-example losses on rows {order} are not those on rows {list(range(k))} reordered, in training mode "
+            f"with dropout off): {where}. The model or `per_example_loss` mixes examples (batch statistics, a "
+            "batch-wide normalisation ..., or random draws other than dropout, such as stochastic depth), so one "
+            "example would move other examples' clipped gradients. Fix: compute each example's loss from its own "
+            "row only (e.g. per-example or running statistics), or switch the random draws off.")
     return several
 
 
+def _tolerance(model: nn.Module) -> float:
+    """The rounding of the model's dtype and device (`batch_rows.close_enough`)."""
+    weight = next((p for p in model.parameters() if p.is_floating_point()), torch.zeros(()))
+    return close_enough(weight.dtype, weight.device)
+
+
 def _close(x: torch.Tensor, y: torch.Tensor, model: nn.Module) -> bool:
-    """Equal up to the rounding of the model's dtype and device (`batch_rows.close_enough`)."""
-    weight = next((p for p in model.parameters() if p.is_floating_point()), x)
-    tol = close_enough(weight.dtype, weight.device)
+    tol = _tolerance(model)
     return torch.allclose(x.double(), y.double(), rtol=tol, atol=tol)
 
 

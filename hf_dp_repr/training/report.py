@@ -48,9 +48,16 @@ class DPPrivacyReportMixin:
         """ε spent so far (computed by the ledger's accountant, for its neighbouring relation), None before training."""
         return None if self.ledger is None else self.engine.epsilon()
 
+    def floating_point_ops(self, inputs) -> int:
+        """0: the Trainer's count (6 · parameters · the micro-batch's tokens or pixels) summed over a run would give
+        Σ|B_t|, the sizes of the secret Poisson batches; so a DP run counts none (`trainer_state.json` holds
+        `total_flos: 0`) and its logs carry no `total_flos`."""
+        return 0
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it.
+        # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it; nor a FLO count (above).
         logs.pop("grad_norm", None)
+        logs.pop("total_flos", None)
         privacy = {}
         if self.ledger is not None:
             privacy["epsilon"] = self.epsilon()

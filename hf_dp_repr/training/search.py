@@ -8,21 +8,24 @@ from __future__ import annotations
 import copy
 
 from .search_backends import search_backend
-from .tuning_data import check_training_data
+from .tuning_data import check_training_data, check_tuning_data_stated
 
 
 class DPSearchMixin:
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int | None = None,
-                              direction: str = "minimize", backend="optuna", hp_name=None, tuning_data: str = "public",
-                              trial_count=None, eval_data_public: bool = False, keep_best_model: bool = True,
-                              **kwargs):
+                              direction: str = "minimize", backend="optuna", hp_name=None,
+                              tuning_data: str | None = None, trial_count=None, eval_data_public: bool = False,
+                              keep_best_model: bool = True, **kwargs):
         """The Trainer's Optuna search under DP: every trial spends exactly the target (ε, δ) and the search states
-        its own cost. `tuning_data`: "public"/"held_out" (default "public": the trials do not train on the private
-        set) or "private" (accounted with Papernot & Steinke; needs `trial_count`, a `TrialCount`, and a public
-        `eval_dataset`, stated with `eval_data_public=True`). `hp_space` returns DPTrainingArguments fields and
-        optionally `trainable_scope` ("all", "blocks:k" or a trainable_groups spec). See `hf_dp_repr.tuning.search`.
+        its own cost. `tuning_data` (required: the trials train on `train_dataset`, which a DPTrainer holds as
+        private unless told otherwise): "public"/"held_out" (the trainer's train_dataset is public data, or
+        individuals held out from the private set: the search is charged to no budget) or "private" (accounted with
+        Papernot & Steinke; needs `trial_count`, a `TrialCount`, and a public `eval_dataset`, stated with
+        `eval_data_public=True`). `hp_space` returns DPTrainingArguments fields and optionally `trainable_scope`
+        ("all", "blocks:k" or a trainable_groups spec). See `hf_dp_repr.tuning.search`.
         """
         run_search = search_backend(str(getattr(backend, "value", backend)))
+        check_tuning_data_stated(tuning_data, self.train_dataset)
         return run_search(self, hp_space, compute_objective, n_trials, direction, hp_name, tuning_data, trial_count,
                           eval_data_public, keep_best_model, **kwargs)
 

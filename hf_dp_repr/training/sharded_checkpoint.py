@@ -65,9 +65,25 @@ def load_sharded_optimizer(trainer, checkpoint: str) -> None:
     if not all(os.path.isfile(p) for p in paths):
         return
     state = torch.load(paths[0], map_location="cpu", weights_only=True) if dist.get_rank() == 0 else {}
-    set_optimizer_state_dict(trainer.model, trainer.engine.optimizer.original_optimizer, state,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # torch broadcasts a full state tensor by tensor, to the device of the optimizer's own state, and fails ("Expected
+    # device to be set") when that state holds no tensor with a dimension (plain SGD: no state at all). Such a state
+    # is small (hyperparameters, step counters): rank 0 sends it whole, and each rank loads it as it is.
+    small = [None if _has_state_tensors(state) else state]
+    dist.broadcast_object_list(small, src=0)
+    optimizer = trainer.engine.optimizer.original_optimizer
+    if small[0] is not None:
+        set_optimizer_state_dict(trainer.model, optimizer, small[0], options=StateDictOptions(full_state_dict=False))
+    else:
+        set_optimizer_state_dict(trainer.model, optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     trainer.lr_scheduler.load_state_dict(torch.load(paths[1], weights_only=True))
+
+
+def _has_state_tensors(state: dict) -> bool:
+    """Whether a saved optimizer state holds a per-parameter tensor with a dimension (AdamW's moments, SGD's momentum
+    buffer), not only hyperparameters and step counts."""
+    return any(isinstance(v, torch.Tensor) and v.dim() > 0 for per_param in state.get("state", {}).values()
+               for v in per_param.values())
 
 
 def load_sharded_weights(model, checkpoint: str) -> None:

@@ -60,6 +60,7 @@ from .continual import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
 from .features import DPFeatureCacheMixin, FeatureCaches
+from .overrides import check_loss_overrides
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
 from .preconditioned_probe import DPPreconditioningMixin, check_preconditioning
 from .report import DPPrivacyReportMixin, announce_plan, announce_spent, follow_log_level
@@ -78,6 +79,10 @@ class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatu
     about the data and the base model). The training loss logged by the Trainer is computed on private data and is
     not covered by the DP guarantee (which covers the weights); ε is logged as `epsilon`. `engine` is the run's
     `DPEngine` (None before training).
+
+    Custom objectives: override `per_example_loss(outputs, labels)` (one loss per example); a subclass overriding
+    `compute_loss` is refused, since training never calls it (`training.overrides`: a class whose compute_loss is for
+    evaluation only sets `compute_loss_handled = True` in its body).
     """
 
     def __init__(self, model=None, args: DPTrainingArguments | None = None, train_dataset=None, peft_config=None,
@@ -85,6 +90,7 @@ class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatu
                  public_eval_dataset=None, **kwargs):
         if not isinstance(args, DPTrainingArguments):
             raise ArgumentTypeError("DPTrainer: `args` must be a DPTrainingArguments (it holds the privacy budget).")
+        check_loss_overrides(type(self), DPTrainer)  # a compute_loss override would be silently ignored
         if kwargs.get("compute_loss_func") is not None:
             raise DPConfigError(
                 "DPTrainer: compute_loss_func returns a batch loss; DP-SGD needs one loss per example. "
@@ -296,6 +302,15 @@ class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatu
         return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels,
                                 label_smoothing=self.args.label_smoothing_factor)
 
+    def set_training_modes(self, scope=None) -> None:
+        """The modules' modes of a training forward in the phase of `scope` (also what the start-of-training probe
+        runs): train mode, but a linear probe's frozen backbone and a cut's frozen prefix in eval mode."""
+        self.model.train()
+        if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
+            set_probe_modes(self.model, scope.head_modules)
+        elif self.features.prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
+            set_frozen_prefix_modes(self.model, self.features.prefix_cut)
+
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self._sync_phase()
         stand_in = not inputs and self.sharded
@@ -304,12 +319,8 @@ class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatu
         elif not inputs:  # an empty Poisson micro-batch: it contributes nothing but the step still happens
             return torch.zeros((), device=self.args.device)
         model.train()
-        scope = self._scopes[min(self.engine.phase, len(self._scopes) - 1)] if self._scopes else None
+        self.set_training_modes(self._scopes[min(self.engine.phase, len(self._scopes) - 1)] if self._scopes else None)
         cache = self.features
-        if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
-            set_probe_modes(self.model, scope.head_modules)
-        elif cache.prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
-            set_frozen_prefix_modes(self.model, cache.prefix_cut)
         states = inputs.pop(STATES_KEY, None)
         inputs = self._prepare_inputs(inputs)
         if "labels" not in inputs:

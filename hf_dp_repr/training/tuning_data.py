@@ -1,6 +1,9 @@
 """Which data a hyperparameter search tuned on, checked against the data DP runs train on.
 
-`tuning_data="public"` or `"held_out"` states that the trials' training set is not the private set a DP model
+The mode must be given (`check_tuning_data_stated`): the trials train on the trainer's `train_dataset`, which a
+DPTrainer holds as its private training set, so a search that does not say otherwise would tune on private data
+without accounting for it (its best trial's card would state the trial's ε alone). `tuning_data="public"` or
+`"held_out"` states that the trials' training set is not the private set a DP model
 protects, so the search is charged to no budget. That is checked, by dataset fingerprint (`datasets`'
 `_fingerprint`, or a hash of the rows for other datasets):
 
@@ -39,6 +42,21 @@ def fingerprint(dataset) -> str:
     for i in range(len(dataset)):
         hasher.update(dataset[i])
     return "rows:" + hasher.hexdigest()
+
+
+def check_tuning_data_stated(tuning_data: str | None, dataset) -> None:
+    """Before a search: refuse one that does not say what its trials train on (`tuning_data` None)."""
+    if tuning_data is not None:
+        return
+    rows = f" ({len(dataset)} rows)" if hasattr(dataset, "__len__") else ""
+    raise TuningDataError(
+        f"hyperparameter_search: tuning_data is not given, and the trials would train on this trainer's "
+        f"train_dataset{rows}, which DPTrainer holds as the private training set: a search on it that is not "
+        "accounted is covered by no ε (the best trial's card would state its own ε alone). Fix: "
+        "tuning_data='private' (the whole search is accounted, Papernot & Steinke: with "
+        "trial_count=TrialCount.geometric(0.1) and eval_data_public=True), or give the trainer a public tuning set "
+        "(or individuals held out from the private set) as train_dataset and say so: tuning_data='public' or "
+        "'held_out'.")
 
 
 def check_search_data(dataset, tuning_data: str) -> str:

@@ -5,8 +5,8 @@ Each trial sets its hyperparameters on the arguments, then `train()` plans the r
 is recalibrated for the trial's batch size, length and phases: every trial spends the target ε. Hyperparameters
 that would change the guarantee itself (target ε or δ, σ, accountant, sampling, noise seed) cannot be searched.
 
-Two modes (`tuning_data`):
-- "public" (default) or "held_out": the trials train on data that is NOT the private training set the final model
+Two modes (`tuning_data`, required: the trainer's train_dataset is held private unless the mode says otherwise):
+- "public" or "held_out": the trials train on data that is NOT the private training set the final model
   protects (public data, or individuals held out from it). The search spends none of the final run's budget;
   nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row. It is
   checked by dataset fingerprint (`hf_dp_repr.training.tuning_data`): such a search on the training set of an
@@ -198,7 +198,7 @@ class DPSearch:
 
 
 def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | None = None,
-               direction: str = "minimize", hp_name=None, tuning_data: str = "public",
+               direction: str = "minimize", hp_name=None, tuning_data: str | None = None,
                trial_count: TrialCount | None = None, eval_data_public: bool = False, keep_best_model: bool = True,
                **study_kwargs) -> BestRun | None:
     """The body of `DPTrainer.hyperparameter_search` (see the module docstring)."""
