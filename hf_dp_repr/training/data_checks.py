@@ -108,11 +108,14 @@ def check_labels(model, dataset) -> None:
 def check_train_inputs(trainer) -> None:
     """What `DPTrainer.train()` checks first: the labels, then a collated probe batch of two rows (through the
     trainer's column removal and collator): one row per example (no packing), with the model's inputs."""
-    check_labels(trainer.model, trainer.train_dataset)
+    labels = getattr(trainer, "batch_has_labels", True)  # False: the trainer's example_losses reads other keys
+    if labels:
+        check_labels(trainer.model, trainer.train_dataset)
     dataset, collator = trainer._train_dataset_and_collator()
     batch = ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
-    columns = dataset_columns(trainer.train_dataset)
-    check_batch_inputs(trainer.model, batch, columns, trainer.args.remove_unused_columns)
+    if labels:
+        columns = dataset_columns(trainer.train_dataset)
+        check_batch_inputs(trainer.model, batch, columns, trainer.args.remove_unused_columns)
 
 
 def check_batch_inputs(model, batch: Mapping, columns: list[str] | None, remove_unused_columns: bool = True) -> None:

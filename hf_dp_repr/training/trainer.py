@@ -130,7 +130,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
             if hasattr(cb, "attach"):
                 cb.attach(self)
-        if train_dataset is not None and self.model is not None:
+        if train_dataset is not None and self.model is not None and self.batch_has_labels:
             check_labels(self.model, train_dataset)  # the batch's keys are checked by train(): the collator may change
 
     def call_model_init(self, trial=None):
@@ -279,6 +279,33 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         return " then ".join(f"{s.description} for {t} steps" for s, t in zip(self._scopes, steps))
 
     # ---- one micro-batch ----------------------------------------------------------------------------
+    # The loss hooks, outermost first (a Trainer subclass whose loss is a sum of per-example terms overrides one:
+    # `hf_dp_repr.trl.dp_trainer_class`). Each example's loss must depend on its own rows only (checked by the
+    # start-of-training probe); the batch's tensors are example-first (row i of each is example i).
+    batch_has_labels = True  # False: `example_losses` reads other keys (the probe and input checks then skip labels)
+
+    def examples_in_batch(self, inputs: dict) -> int:
+        """Examples in a prepared micro-batch (what the clipper expects to see): the rows of its `labels`."""
+        if "labels" not in inputs:
+            raise MissingColumnError("DPTrainer: the batch has no `labels`; per-example losses need them.")
+        return len(inputs["labels"])
+
+    def example_losses(self, model, inputs: dict, states=None) -> torch.Tensor:
+        """Forward one prepared micro-batch and return the loss of each example, shape (examples,): what DP-SGD
+        differentiates (their sum) and clips per example. Default: the model's outputs through `per_example_loss`.
+        `states`: hidden states cached for the trained blocks (`cache_features`), or None."""
+        labels = inputs.pop("labels")
+        batch_position_ids(self.model, inputs)
+        cache = self.features
+        if cache.cached_head is not None:
+            outputs = ModelOutput(logits=self.model.get_submodule(cache.cached_head)(inputs["features"]))
+        elif states is not None:  # only the trained blocks run, from the cached states
+            with run_from_states(self.model, cache.prefix_cut.stack_name, cache.prefix_cut.first, states):
+                outputs = model(**inputs)
+        else:
+            outputs = model(**inputs)
+        return self.per_example_loss(outputs, labels)
+
     def per_example_loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         """Loss of each example of the micro-batch, shape (batch,). Override for custom objectives."""
         return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels,
@@ -300,23 +327,13 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
             set_frozen_prefix_modes(self.model, cache.prefix_cut)
         states = inputs.pop(STATES_KEY, None)
         inputs = self._prepare_inputs(inputs)
-        if "labels" not in inputs:
-            raise MissingColumnError("DPTrainer: the batch has no `labels`; per-example losses need them.")
-        labels = inputs.pop("labels")
         unit_ids = inputs.pop(UNIT_KEY, None)
-        batch_position_ids(self.model, inputs)
+        examples = self.examples_in_batch(inputs)
         # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
         # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
-        with self.accelerator.no_sync(model), self.engine.recording(len(labels)):
+        with self.accelerator.no_sync(model), self.engine.recording(examples):
             with self.compute_loss_context_manager():
-                if cache.cached_head is not None:
-                    outputs = ModelOutput(logits=self.model.get_submodule(cache.cached_head)(inputs["features"]))
-                elif states is not None:  # only the trained blocks run, from the cached states
-                    with run_from_states(self.model, cache.prefix_cut.stack_name, cache.prefix_cut.first, states):
-                        outputs = model(**inputs)
-                else:
-                    outputs = model(**inputs)
-                losses = self.per_example_loss(outputs, labels)
+                losses = self.example_losses(model, inputs, states=states)
             self.accelerator.backward(losses.sum())
         self.engine.after_backward(unit_ids, stand_in)
         if stand_in:
