@@ -26,7 +26,7 @@ import re
 
 from datasets import Dataset
 
-from ..data.stdlib_corpus import stdlib_docstrings
+from ..data.stdlib_corpus import STDLIB_MODULES, stdlib_docstrings
 
 USER, ASSISTANT, END, PAD = "<|user|>", "<|assistant|>", "<|end|>", "<|pad|>"
 # Each turn: role token, text, end token. The assistant's text and end token are what it generates (the loss of
@@ -57,6 +57,27 @@ def chat_tokenizer(texts, vocab_size: int = 512):
                                   additional_special_tokens=[USER, ASSISTANT])
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+# Modules whose docstrings are the PUBLIC text a tokenizer may be trained on: none is a "user" of the conversations.
+PUBLIC_MODULES = ("io", "math", "time", "types", "weakref", "operator", "glob", "fnmatch", "tempfile", "hashlib",
+                  "base64", "struct", "queue", "sched", "uuid", "ipaddress", "mimetypes", "socket", "sqlite3",
+                  "urllib.parse", "http.client", "xml.dom.minidom", "asyncio.queues", "codecs", "locale")
+
+
+def public_text() -> list[str]:
+    """Docstrings of `PUBLIC_MODULES` and their public members (disjoint from the conversations' modules)."""
+    import importlib
+    import inspect
+
+    assert not set(PUBLIC_MODULES) & set(STDLIB_MODULES)
+    texts = []
+    for name in PUBLIC_MODULES:
+        module = importlib.import_module(name)
+        members = [module] + [obj for attr, obj in sorted(vars(module).items()) if not attr.startswith("_")
+                              and (inspect.isclass(obj) or inspect.isfunction(obj))]
+        texts += [doc for doc in map(inspect.getdoc, members) if doc]
+    return texts
 
 
 def _first_paragraph(doc: str, max_chars: int) -> str:
