@@ -14,6 +14,7 @@ import torch
 
 from hf_dp_repr.errors import ArgumentTypeError, DPConfigError, UnsupportedError
 from hf_dp_repr.tiny import tiny_llama
+from hf_dp_repr.training.hf_compat import TRL_PRIVATE
 from hf_dp_repr.trl import DPSFTConfig, DPSFTTrainer, dp_trainer_class
 from hf_dp_repr.trl.chat_data import ASSISTANT, END, chat_tokenizer, stdlib_conversations
 from utils import CaptureUpdate
@@ -254,3 +255,15 @@ def test_other_trl_trainers_and_foreign_arguments_are_refused(chats, tok, tmp_pa
     plain = DPTrainingArguments(output_dir=str(tmp_path / "run"), target_epsilon=8.0, report_to="none")
     with pytest.raises(ArgumentTypeError, match="must be a DPSFTConfig"):
         DPSFTTrainer(model=tiny_llama(vocab_size=len(tok)), args=plain, train_dataset=chats, processing_class=tok)
+
+
+@pytest.mark.parametrize("owner, name, where, text, why", TRL_PRIVATE, ids=[f"{o}.{n}" for o, n, *_ in TRL_PRIVATE])
+def test_trl_private_members_we_rely_on_are_still_used_as_we_rely_on(owner, name, where, text, why):
+    import inspect
+
+    import trl
+    from trl.trainer import base_trainer
+
+    cls = getattr(trl, owner, None) or getattr(base_trainer, owner)
+    assert text in inspect.getsource(getattr(cls, where)), f"trl {trl.__version__}: {owner}.{where} no longer runs " \
+        f"`{text}`; we rely on it: {why}"
