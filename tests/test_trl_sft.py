@@ -267,3 +267,24 @@ def test_trl_private_members_we_rely_on_are_still_used_as_we_rely_on(owner, name
     cls = getattr(trl, owner, None) or getattr(base_trainer, owner)
     assert text in inspect.getsource(getattr(cls, where)), f"trl {trl.__version__}: {owner}.{where} no longer runs " \
         f"`{text}`; we rely on it: {why}"
+
+
+def test_a_checkpoint_resumes_exactly_and_keeps_the_dp_card(chats, tok, tmp_path):
+    """2 noisy steps with a checkpoint at each; resuming from checkpoint-1 gives the uninterrupted run's weights and
+    ledger (noise and batches are drawn per step from the run's seed); TRL's checkpoint card does not replace the DP
+    card or its model_card_info."""
+    def trainer(out):
+        args = sft_args(tmp_path, output_dir=str(tmp_path / out), noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                        learning_rate=1e-2, max_steps=2, save_strategy="steps", save_steps=1, optim="adamw_torch")
+        return DPSFTTrainer(model=tiny_llama(vocab_size=len(tok), seed=1), args=args, train_dataset=chats,
+                            processing_class=tok, model_card_info={"model_name": "my chat model"})
+
+    full = trainer("full")
+    full.train()
+    resumed = trainer("full")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
+    assert resumed.ledger.steps_done == 2 and resumed.epsilon() == pytest.approx(full.epsilon())
+    for (n, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        torch.testing.assert_close(a, b, msg=n)
+    card = (tmp_path / "full" / "checkpoint-2" / "README.md").read_text()
+    assert "my chat model (DP-SGD" in card and "| one training example | one conversation" in card
