@@ -265,6 +265,16 @@ def test_precomputed_reference_stays_in_memory_and_gives_the_same_update(tokeniz
     assert not any("ref_chosen_logps" in columns for columns in written)
 
 
+@pytest.mark.parametrize("options", [{"loss_type": "aot"}, {"loss_type": ["sigmoid", "sft"]},
+                                     {"activation_offloading": True}])
+def test_losses_that_couple_pairs_are_refused_before_any_work(options, tmp_path):
+    from hf_dp_repr.errors import DPConfigError
+
+    with pytest.raises(DPConfigError, match="DPDPOConfig: (loss_type|activation_offloading)"):
+        dpo_args(tmp_path, noise_multiplier=1.0, **options)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name", ["_compute_loss", "_precompute_ref_logps", "precompute_ref_logps"])
 def test_the_private_trl_members_it_relies_on_are_still_there(name):
     import inspect
@@ -277,6 +287,40 @@ def test_the_private_trl_members_it_relies_on_are_still_there(name):
     if params:
         assert tuple(inspect.signature(getattr(DPOTrainer, name)).parameters) == params
     assert call in inspect.getsource(getattr(DPOTrainer, caller))
+
+
+@pytest.mark.slow
+def test_the_dpo_recipe_runs_after_the_sft_recipe_on_the_same_users(tmp_path):
+    """recipes/dp_sft.py, then recipes/dp_dpo.py from its output: pairs of the same users (one user per unit), the
+    SFT adapter merged into the reference, ε of the run and composed with the SFT run's, the card, a saved answer."""
+    import json
+
+    from hf_dp_repr.scripts.dpo import conversation_pairs
+    from hf_dp_repr.scripts.dpo import main as dpo_main
+    from hf_dp_repr.scripts.sft import main as sft_main
+    from hf_dp_repr.trl.chat_data import stdlib_conversations
+
+    root = Path(__file__).parents[1] / "recipes" / "configs"
+    common = ["--max_steps", "1", "--max_conversations", "120", "--per_device_train_batch_size", "2",
+              "--gradient_accumulation_steps", "1", "--disable_tqdm", "true"]
+    sft = sft_main(["--config", str(root / "dp_sft_tiny_llama.yaml"), "--output_dir", str(tmp_path / "sft"), *common])
+    dpo = dpo_main(["--config", str(root / "dp_dpo_tiny_llama.yaml"), "--sft_model", str(tmp_path / "sft"),
+                    "--output_dir", str(tmp_path / "dpo"), *common])
+    assert sft["epsilon"] <= 8.0 and dpo["epsilon"] <= 8.0
+    assert max(sft["epsilon"], dpo["epsilon"]) < dpo["epsilon_sft_then_dpo"] <= sft["epsilon"] + dpo["epsilon"]
+    ledger = json.loads((tmp_path / "dpo" / "privacy_ledger.json").read_text())
+    sft_ledger = json.loads((tmp_path / "sft" / "privacy_ledger.json").read_text())
+    assert ledger["privacy_unit"] == "user_id" and ledger["dataset_size"] == sft_ledger["dataset_size"]
+    card = (tmp_path / "dpo" / "README.md").read_text()
+    assert "| one training example | one preference pair" in card and "rejected completion's tokens" in card
+    assert {"adapter_model.safetensors", "base_model", "chat_template.jinja"} <= {p.name for p in (tmp_path / "dpo")
+                                                                                  .iterdir()}
+    chats = stdlib_conversations(max_conversations=12, max_per_user=15)
+    pairs_ = conversation_pairs(chats)
+    assert len(pairs_) == len(chats) and set(pairs_["user_id"]) == set(chats["user_id"])
+    for prompt, rejected, user in zip(pairs_["prompt"], pairs_["rejected"], pairs_["user_id"]):
+        answers = {c["messages"][-1]["content"] for c in chats if c["user_id"] == user}
+        assert rejected[0]["content"] in answers | {"I do not know."}  # never another user's text
 
 
 # ---- two processes (accelerate launch, gloo): this file is also the worker --------------------------------------

@@ -97,6 +97,9 @@ class DPDPOConfig(_DPDPOConfigBase):
 
     def __post_init__(self):
         super().__post_init__()  # DPOConfig turns a single loss_type into a list
+        if self.activation_offloading:
+            raise DPConfigError("DPDPOConfig: activation_offloading=True wraps DPOTrainer's training step, which DP "
+                                "training replaces, so it would do nothing. Fix: activation_offloading=False.")
         coupled = [t for t in self.loss_type if t in COUPLED_LOSSES]
         if coupled:
             raise DPConfigError(
