@@ -297,7 +297,7 @@ class DPTrainer(DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin, DPSavi
         labels = inputs.pop("labels")
         batch_position_ids(self.model, inputs)
         cache = self.features
-        if cache.cached_head is not None:
+        if cache.cached_head is not None and "features" in inputs:  # (the start-of-training probe runs the model)
             outputs = ModelOutput(logits=self.model.get_submodule(cache.cached_head)(inputs["features"]))
         elif states is not None:  # only the trained blocks run, from the cached states
             with run_from_states(self.model, cache.prefix_cut.stack_name, cache.prefix_cut.first, states):
