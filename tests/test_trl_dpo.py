@@ -180,21 +180,6 @@ def test_removing_a_pair_moves_the_sigma0_update_by_C_over_L_not_2C(tokenizer, t
     assert abs(apart_norm - clip) > 0.1 * clip  # the test has teeth: row-by-row clipping moves it elsewhere
 
 
-def test_noise_has_std_sigma_c_over_L_per_coordinate(tokenizer, tmp_path):
-    sigma, clip = 2.0, 0.5
-    model = tiny_llama(vocab_size=len(tokenizer), seed=0)
-    clean, batch_a, _ = one_step(copy.deepcopy(model), tokenizer, tmp_path / "a", noise_multiplier=0.0,
-                                 per_sample_max_grad_norm=clip)
-    noisy, batch_b, _ = one_step(model, tokenizer, tmp_path / "b", noise_multiplier=sigma,
-                                 per_sample_max_grad_norm=clip)
-    assert batch_a == batch_b  # the same secret seed, the same Poisson batch: the difference is the noise
-    noise = torch.cat([(noisy[n] - clean[n]).flatten() for n in clean]).double()
-    expected = sigma * clip / (PER_DEVICE * ACCUMULATION)
-    assert noise.numel() > 15_000  # relative standard error of the std < 0.6 %: a 3 % band is > 5 of them
-    assert abs(noise.std().item() / expected - 1) < 0.03
-    assert abs(noise.mean().item()) < 0.03 * expected
-
-
 def dp_accounting_epsilon(sigma, q, steps, delta, neighboring):
     import dp_accounting
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
@@ -205,15 +190,24 @@ def dp_accounting_epsilon(sigma, q, steps, delta, neighboring):
     return accountant.get_epsilon(delta)
 
 
-def test_epsilon_is_dp_accountings_for_the_plan_over_pairs(tokenizer, tmp_path):
-    """12 pairs, L = 6 pairs per step: q = 0.5 over pairs (24 sequences would give q = 0.25), 3 steps."""
+def test_noise_has_std_sigma_c_over_L_and_epsilon_is_dp_accountings_over_pairs(tokenizer, tmp_path):
+    """The noise of one step has std σC/L per coordinate; 12 pairs with L = 6 pairs per step is q = 0.5 over pairs
+    (24 sequences would give 0.25), and ε is dp_accounting's for that plan."""
+    sigma, clip = 2.0, 0.5
     model = tiny_llama(vocab_size=len(tokenizer), seed=0)
-    _, _, trainer = one_step(model, tokenizer, tmp_path, noise_multiplier=1.0, max_steps=3,
-                             per_sample_max_grad_norm=1.0)
+    clean, batch_a, _ = one_step(copy.deepcopy(model), tokenizer, tmp_path / "a", noise_multiplier=0.0,
+                                 per_sample_max_grad_norm=clip)
+    noisy, batch_b, trainer = one_step(model, tokenizer, tmp_path / "b", noise_multiplier=sigma,
+                                       per_sample_max_grad_norm=clip)
+    assert batch_a == batch_b  # the same secret seed, the same Poisson batch: the difference is the noise
+    noise = torch.cat([(noisy[n] - clean[n]).flatten() for n in clean]).double()
+    expected = sigma * clip / (PER_DEVICE * ACCUMULATION)
+    assert noise.numel() > 15_000  # relative standard error of the std < 0.6 %: a 3 % band is > 5 of them
+    assert abs(noise.std().item() / expected - 1) < 0.03
+    assert abs(noise.mean().item()) < 0.03 * expected
     plan = trainer.ledger.plan
-    phase = plan.phases[0]
-    assert (plan.dataset_size, phase.sample_rate, trainer.ledger.steps_done) == (12, 0.5, 3)
-    truth = dp_accounting_epsilon(1.0, 0.5, 3, plan.target_delta, plan.neighboring)
+    assert (plan.dataset_size, plan.phases[0].sample_rate, trainer.ledger.steps_done) == (12, 0.5, 1)
+    truth = dp_accounting_epsilon(sigma, 0.5, 1, plan.target_delta, plan.neighboring)
     assert truth <= trainer.epsilon() <= truth * 1.002
 
 
@@ -263,6 +257,27 @@ def test_precomputed_reference_stays_in_memory_and_gives_the_same_update(tokeniz
     written = [Dataset.from_file(str(f)).column_names for f in (tmp_path / "data").rglob("*.arrow")]
     written += [Dataset.from_file(f["filename"]).column_names for f in trainer.train_dataset.cache_files]
     assert not any("ref_chosen_logps" in columns for columns in written)
+
+
+def test_a_checkpoint_resumes_exactly_with_the_same_reference(tokenizer, tmp_path):
+    """2 noisy steps with a checkpoint at each; resuming from checkpoint-1 (a fresh trainer, given the initial model,
+    whose frozen copy is the reference again) gives the uninterrupted run's weights and ledger; the checkpoint's
+    card is the DP card with the pair as the example."""
+    def trainer():
+        args = dpo_args(tmp_path, noise_multiplier=1.0, per_sample_max_grad_norm=1.0, learning_rate=1e-2,
+                        max_steps=2, save_strategy="steps", save_steps=1)
+        return DPDPOTrainer(model=tiny_llama(vocab_size=len(tokenizer), seed=1), args=args, train_dataset=pairs(),
+                            processing_class=tokenizer)
+
+    full = trainer()
+    full.train()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    assert resumed.ledger.steps_done == 2 and resumed.epsilon() == pytest.approx(full.epsilon())
+    for (n, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        torch.testing.assert_close(a, b, msg=n)
+    card = (tmp_path / "run" / "checkpoint-2" / "README.md").read_text()
+    assert "| one training example | one preference pair" in card
 
 
 @pytest.mark.parametrize("options", [{"loss_type": "aot"}, {"loss_type": ["sigmoid", "sft"]},
