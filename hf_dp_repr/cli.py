@@ -7,7 +7,7 @@
 
     hf-dp-repr push out/ --hub_model_id me/name [--private] [--revision BRANCH] [--dry-run]
 
-    hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text, sft)
+    hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text, sft, dpo)
 
     hf-dp-repr audit --model out/ --members private_split/ --non-members digits:test --out audit/
 
@@ -146,12 +146,12 @@ def run_push(args: argparse.Namespace) -> int:
 
 
 TRAIN_SCRIPTS = {"image": "image_classification", "lm": "causal_lm", "text": "text_classification",
-                 "sft": "sft"}  # sft: TRL's SFTTrainer under DP (the `trl` extra)
+                 "sft": "sft", "dpo": "dpo"}  # TRL's SFTTrainer / DPOTrainer under DP (the `trl` extra)
 
 
 def _add_train_parser(subparsers) -> None:
     p = subparsers.add_parser("train", help="Run a recipe (hf_dp_repr.scripts): DP fine-tuning of an image classifier, "
-                              "a causal LM, a text classifier or a chat model (sft, with TRL); `hf-dp-repr train "
+                              "a causal LM, a text classifier or a chat model (sft, dpo: with TRL); `hf-dp-repr train "
                               "image --help` lists its arguments.")
     p.add_argument("task", choices=sorted(TRAIN_SCRIPTS))
     p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's arguments (--config file.yaml, ...)")
