@@ -290,6 +290,19 @@ def test_losses_that_couple_pairs_are_refused_before_any_work(options, tmp_path)
     assert not (tmp_path / "run").exists()
 
 
+def test_sharded_dpo_is_refused_before_any_work(tokenizer, tmp_path):
+    """TRL copies the LoRA adapter into its reference adapter after the model is sharded (measured: a copy_ between a
+    tensor and a DTensor fails); refused, naming the fix."""
+    from hf_dp_repr.errors import UnsupportedError
+
+    args = dpo_args(tmp_path, noise_multiplier=1.0)
+    args.fsdp, args.fsdp_config = True, {"fsdp_version": 2}  # (built in one process, the arguments refuse fsdp)
+    with pytest.raises(UnsupportedError, match="sharded DPO .* run without --fsdp"):
+        DPDPOTrainer(model=tiny_llama(vocab_size=len(tokenizer)), args=args, train_dataset=pairs(),
+                     processing_class=tokenizer)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("name", ["_compute_loss", "_precompute_ref_logps", "precompute_ref_logps"])
 def test_the_private_trl_members_it_relies_on_are_still_there(name):
     import inspect

@@ -53,8 +53,10 @@ from ..hub.card import ModelCardInfo
 from ..privacy.batch_rows import RowsProbe, rows_per_example
 from ..privacy.probe import ParameterUses, check_collator_keeps_examples_apart
 from ..privacy.sampler import UNIT_KEY
+from ..privacy.sharding import is_sharded
 from ..privacy.units import ROW
 from ..scope.lora import has_peft_adapters
+from ..training.sharding import sharding_request
 from ..training.trainer import DPTrainer
 from .mechanism import dp_config_class, dp_trainer_class
 
@@ -213,6 +215,12 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
 
     def __init__(self, model=None, ref_model=None, args: DPDPOConfig | None = None, train_dataset=None,
                  peft_config=None, **kwargs):
+        if isinstance(args, DPDPOConfig) and (sharding_request(args) is not None or (
+                model is not None and not isinstance(model, str) and is_sharded(model))):
+            # measured: TRL copies the LoRA adapter into a "ref" adapter after DPTrainer sharded the model (a copy_
+            # between a tensor and a DTensor fails at init); sharded DPO is untested, so refused
+            raise UnsupportedError("DPDPOTrainer: sharded DPO (FSDP2) is not supported yet. Fix: run without --fsdp; "
+                                   "several processes without sharding (DDP) are supported.")
         precompute = getattr(args, "precompute_ref_log_probs", False)
         if ref_model is None and peft_config is None and model is not None and not isinstance(model, str) \
                 and not has_peft_adapters(model) and not precompute:
