@@ -288,3 +288,20 @@ def test_a_checkpoint_resumes_exactly_and_keeps_the_dp_card(chats, tok, tmp_path
         torch.testing.assert_close(a, b, msg=n)
     card = (tmp_path / "full" / "checkpoint-2" / "README.md").read_text()
     assert "my chat model (DP-SGD" in card and "| one training example | one conversation" in card
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_each_examples_loss_is_sft_trainers_loss_on_that_example_alone(loss_type, chats, tok, tmp_path):
+    """DPSFTTrainer's per-example losses of a padded batch equal SFTTrainer's own compute_loss (its fused LM head)
+    run on each conversation alone, for nll and dft."""
+    import trl
+
+    trainer = DPSFTTrainer(model=tiny_llama(vocab_size=len(tok), seed=1), args=sft_args(tmp_path, loss_type=loss_type),
+                           train_dataset=chats, processing_class=tok)
+    rows = [{k: trainer.train_dataset[i][k] for k in ("input_ids", "labels")} for i in range(4)]
+    batch = trainer._prepare_inputs(trainer.data_collator(rows))
+    with torch.no_grad():
+        ours = trainer.example_losses(trainer.model, dict(batch))
+        alone = [trl.SFTTrainer.compute_loss(trainer, trainer.model, trainer._prepare_inputs(
+            trainer.data_collator([row]))) for row in rows]
+    torch.testing.assert_close(ours, torch.stack(alone), rtol=1e-4, atol=1e-5)
