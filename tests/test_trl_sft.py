@@ -269,6 +269,7 @@ def test_trl_private_members_we_rely_on_are_still_used_as_we_rely_on(owner, name
         f"`{text}`; we rely on it: {why}"
 
 
+@pytest.mark.slow  # three trainings with checkpoints (~50 s on a loaded 2-core machine)
 def test_a_checkpoint_resumes_exactly_and_keeps_the_dp_card(chats, tok, tmp_path):
     """2 noisy steps with a checkpoint at each; resuming from checkpoint-1 gives the uninterrupted run's weights and
     ledger (noise and batches are drawn per step from the run's seed); TRL's checkpoint card does not replace the DP
