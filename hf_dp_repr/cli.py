@@ -7,7 +7,7 @@
 
     hf-dp-repr push out/ --hub_model_id me/name [--private] [--revision BRANCH] [--dry-run]
 
-    hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text)
+    hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text, sft, dpo)
 
     hf-dp-repr audit --model out/ --members private_split/ --non-members digits:test --out audit/
 
@@ -159,7 +159,8 @@ def run_push(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAIN_SCRIPTS = {"image": "image_classification", "lm": "causal_lm", "text": "text_classification"}
+TRAIN_SCRIPTS = {"image": "image_classification", "lm": "causal_lm", "text": "text_classification",
+                 "sft": "sft", "dpo": "dpo"}  # TRL's SFTTrainer / DPOTrainer under DP (the `trl` extra)
 
 
 def add_train_parser(subparsers) -> None:
@@ -183,8 +184,8 @@ COMMANDS = {
     "privacy": ("ε of a planned DP-SGD run, or the σ that reaches a target ε.", "hf_dp_repr.cli:add_privacy_parser"),
     "push": ("Push a finished DP run (its allow-listed files and DP card) to the Hub.",
              "hf_dp_repr.cli:add_push_parser"),
-    "train": ("Run a recipe (hf_dp_repr.scripts): DP fine-tuning of an image classifier, a causal LM or a text "
-              "classifier; `hf-dp-repr train image --help` lists its arguments.",
+    "train": ("Run a recipe (hf_dp_repr.scripts): DP fine-tuning of an image classifier, a causal LM, a text "
+              "classifier or a chat model (sft, dpo: with TRL); `hf-dp-repr train image --help` lists its arguments.",
               "hf_dp_repr.cli:add_train_parser"),
     "analyze": ("separation fuzziness / prediction residual laws of models",
                 "hf_dp_repr.analysis.cli:add_analyze_parser"),

@@ -10,7 +10,8 @@ RANKS = {
     "hf_dp_repr.errors": 0, "hf_dp_repr.quiet": 0, "hf_dp_repr.tiny": 0, "hf_dp_repr.registry": 0.5,  # (uses errors)
     "hf_dp_repr.entry_point": 0,
     "hf_dp_repr.data": 1, "hf_dp_repr.scope": 2, "hf_dp_repr.privacy": 3, "hf_dp_repr.hub": 4,
-    "hf_dp_repr.training": 5, "hf_dp_repr.analysis": 6, "hf_dp_repr.audit": 7, "hf_dp_repr.tuning": 7,
+    "hf_dp_repr.training": 5, "hf_dp_repr.analysis": 6, "hf_dp_repr.trl": 6, "hf_dp_repr.audit": 7,
+    "hf_dp_repr.tuning": 7,
     "hf_dp_repr.scripts": 8, "hf_dp_repr.cli": 8,
     "hf_dp_repr": 9,  # the root facade: re-exports and registrations; nothing in the package imports it
 }
@@ -95,3 +96,13 @@ def test_small_modules_and_a_small_root():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert not {k: n for k, n in sizes.items() if n > 400}
     assert len(list(PACKAGE.glob("*.py"))) <= 8, sorted(p.name for p in PACKAGE.glob("*.py"))
+
+
+def test_the_core_never_imports_trl():
+    """TRL is an optional extra: `import hf_dp_repr` and the training stage (DPTrainer) must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hf_dp_repr, hf_dp_repr.training.trainer, hf_dp_repr.training.arguments; "
+            "hf_dp_repr.DPTrainer; sys.exit('trl' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent).returncode == 0

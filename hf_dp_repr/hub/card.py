@@ -71,7 +71,9 @@ class ModelCardInfo:
     `model_name`: what was fine-tuned on what (the card's title adds whether it is differentially private);
     `base_model`: Hub name, for the card's metadata; `base_model_description`: free text; `datasets`: Hub dataset
     ids, for the metadata; `private_data` / `public_data`: one-line descriptions; `analysis_data`: what the
-    representation laws were measured on; `license`, `language`, `tags` (added to the DP tags): card metadata.
+    representation laws were measured on; `training_example`: what one example (row) is, e.g. "one conversation";
+    `loss_tokens`: which of its tokens the loss saw (both set by the `hf_dp_repr.trl` trainers); `license`,
+    `language`, `tags` (added to the DP tags): card metadata.
     A local path in any of them is published as its last component only (`public_names.public_text`).
     """
 
@@ -82,6 +84,8 @@ class ModelCardInfo:
     private_data: str | None = None
     public_data: str | None = None
     analysis_data: str | None = None
+    training_example: str | None = None
+    loss_tokens: str | None = None
     license: str | None = None
     language: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()

@@ -101,6 +101,8 @@ def template_values(led: dict, info: dict, scope: str, results: dict | None, law
         if len(phases) > 1 else [],
         private_data=info.get("private_data") or f"the training set given to DPTrainer ({n} {units_word})",
         unit_text=describe_unit(unit),
+        training_example=info.get("training_example"),  # e.g. "one conversation" (TRL trainers set these two)
+        loss_tokens=info.get("loss_tokens"),
         units_word=units_word,
         unit_level="example-level" if unit == ROW else f"{unit}-level",
         public_data=info.get("public_data") or "none stated (pre-trained base weights, if any, are public)",

@@ -283,9 +283,11 @@ def _close(x: torch.Tensor, y: torch.Tensor, model: nn.Module) -> bool:
 
 
 def _losses(trainer, batch: dict) -> torch.Tensor | None:
-    """Per-example losses as `DPTrainer.training_step` computes them (None without labels: the model runs alone)."""
+    """Per-example losses as `DPTrainer.training_step` computes them, by its `example_losses` (None without labels
+    when the trainer's losses need them: the model runs alone)."""
     inputs = trainer._prepare_inputs({k: v for k, v in batch.items() if k != UNIT_KEY})
-    labels = inputs.pop("labels", None)
-    batch_position_ids(trainer.model, inputs)
-    outputs = trainer.model(**inputs)
-    return None if labels is None else trainer.per_example_loss(outputs, labels).detach()
+    if "labels" not in inputs and getattr(trainer, "batch_has_labels", True):
+        batch_position_ids(trainer.model, inputs)
+        trainer.model(**inputs)
+        return None
+    return trainer.example_losses(trainer.model, inputs).detach()

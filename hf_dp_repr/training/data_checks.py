@@ -108,17 +108,21 @@ def check_labels(model, dataset) -> None:
 def check_train_inputs(trainer) -> None:
     """What `DPTrainer.train()` checks first: the labels, columns of which the Trainer would keep none, a padding
     collator without a pad token, then a collated probe batch of two rows (through the trainer's column removal and
-    collator): one row per example (no packing), with the model's inputs, images of the model's size."""
-    check_labels(trainer.model, trainer.train_dataset)
+    collator): one row per example (no packing), with the model's inputs, images of the model's size. A trainer whose
+    `example_losses` reads other keys than the model's inputs and labels (TRL's) sets `batch_has_labels = False`."""
+    labels = getattr(trainer, "batch_has_labels", True)
     columns = dataset_columns(trainer.train_dataset)
-    if trainer.args.remove_unused_columns and columns and not set(columns) & {*forward_inputs(trainer.model),
-                                                                             *LABEL_COLUMNS}:
-        # the Trainer would drop every column and suggest remove_unused_columns=False: the fix is a rename
-        check_batch_inputs(trainer.model, {}, columns, remove_unused_columns=True)
+    if labels:
+        check_labels(trainer.model, trainer.train_dataset)
+        if trainer.args.remove_unused_columns and columns and not set(columns) & {*forward_inputs(trainer.model),
+                                                                                 *LABEL_COLUMNS}:
+            # the Trainer would drop every column and suggest remove_unused_columns=False: the fix is a rename
+            check_batch_inputs(trainer.model, {}, columns, remove_unused_columns=True)
     check_pad_token(trainer.data_collator)
     dataset, collator = trainer._train_dataset_and_collator()
     batch = ExampleBatchCollator(collator)([dataset[i] for i in range(min(2, len(dataset)))])
-    check_batch_inputs(trainer.model, batch, columns, trainer.args.remove_unused_columns)
+    if labels:
+        check_batch_inputs(trainer.model, batch, columns, trainer.args.remove_unused_columns)
     check_image_size(trainer.model, batch)
 
 

@@ -125,5 +125,17 @@ ORDER = (
     ("_save_checkpoint", ("self._get_output_dir(trial=trial)", "self.save_model(output_dir, _internal_call=True)")),
 )
 
+# TRL (the `trl` extra, hf_dp_repr.trl): (class in trl, member, the text of its use in `where`'s source, why),
+# checked by tests/test_trl_sft.py. Strings only: the training stage never imports trl.
+TESTED_TRL = "trl==1.16.0"
+TRL_PRIVATE = (
+    ("_BaseTrainer", "_send_telemetry", "__init__", "self._send_telemetry()",
+     "DPMechanism overrides it with a no-op: nothing about a private run leaves the process"),
+    ("SFTTrainer", "_save_checkpoint", "_save_checkpoint", "self.create_model_card(model_name=model_name)",
+     "DPMechanism keeps TRL's checkpoint card call from replacing the DP card's model_card_info"),
+    ("SFTTrainer", "_metrics", "log", "self._metrics[mode]",
+     "DPSFTTrainer clears the training metrics before SFTTrainer.log reads them"),
+)
+
 # Opacus' private helper the "ddp" reduction draws its noise with: (module, name, parameters).
 OPACUS_PRIVATE = (("opacus.optimizers.optimizer", "_generate_noise", ("std", "reference", "generator", "secure_mode")),)

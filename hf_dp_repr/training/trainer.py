@@ -30,26 +30,24 @@ import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
-from transformers.utils import ModelOutput, logging
+from transformers.utils import logging
 
-from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, MissingColumnError, UnsupportedError
+from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, UnsupportedError
 from ..hub.card import ModelCardInfo
 from ..privacy.augmentation import ViewsBatchSampler, ViewsDataset
 from ..privacy.engine import DPEngine
-from ..privacy.grad_samplers import batch_position_ids
 from ..privacy.ledger import PrivacyLedger, PrivacyPlan
-from ..privacy.loss import is_causal_lm, per_example_loss
+from ..privacy.loss import is_causal_lm
 from ..privacy.probe import probe_training_rows
 from ..privacy.randomness import DPRandomness
 from ..privacy.sampler import UNIT_KEY, ExampleBatchCollator, SamplerEpochCallback
 from ..privacy.sharding import is_sharded
 from ..privacy.units import ROW, UnitRowsDataset, column_values, unit_rows
 from ..privacy.validation import check_model_is_privatizable, check_train_dataset
-from ..scope.cached_head import set_probe_modes
 from ..scope.head_init import init_head
 from ..scope.lora import has_peft_adapters
 from ..scope.phases import phase_scopes
-from ..scope.prefix_cache import STATES_KEY, run_from_states, set_frozen_prefix_modes
+from ..scope.prefix_cache import STATES_KEY
 from . import TRAINER_LOGGER
 from .accuracy_checks import check_views
 from .argument_checks import check_fresh_model, check_one_run
@@ -59,6 +57,7 @@ from .averaging import DPAveragingMixin, averaging_note
 from .continual import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
+from .example_losses import DPExampleLossMixin
 from .features import DPFeatureCacheMixin, FeatureCaches
 from .overrides import check_loss_overrides
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
@@ -71,8 +70,8 @@ from .sharding import check_trainer, shard_for_training, trainer_init
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
-class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatureCacheMixin, DPPrivacyReportMixin,
-                DPSavingMixin, DPEvalOverlapMixin, Trainer):
+class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatureCacheMixin,
+                DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin, Trainer):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -140,7 +139,7 @@ class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatu
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
             if hasattr(cb, "attach"):
                 cb.attach(self)
-        if train_dataset is not None and self.model is not None:
+        if train_dataset is not None and self.model is not None and self.batch_has_labels:
             check_labels(self.model, train_dataset)  # the batch's keys are checked by train(): the collator may change
 
     def call_model_init(self, trial=None):
@@ -296,21 +295,6 @@ class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatu
         steps = [p.steps for p in self.privacy_plan().phases]
         return " then ".join(f"{s.description} for {t} steps" for s, t in zip(self._scopes, steps))
 
-    # ---- one micro-batch ----------------------------------------------------------------------------
-    def per_example_loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of each example of the micro-batch, shape (batch,). Override for custom objectives."""
-        return per_example_loss(outputs.logits, labels, shift_labels=self._shifts_labels,
-                                label_smoothing=self.args.label_smoothing_factor)
-
-    def set_training_modes(self, scope=None) -> None:
-        """The modules' modes of a training forward in the phase of `scope` (also what the start-of-training probe
-        runs): train mode, but a linear probe's frozen backbone and a cut's frozen prefix in eval mode."""
-        self.model.train()
-        if scope is not None and scope.head_only:  # a linear probe: the frozen backbone in eval mode, as when cached
-            set_probe_modes(self.model, scope.head_modules)
-        elif self.features.prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
-            set_frozen_prefix_modes(self.model, self.features.prefix_cut)
-
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         self._sync_phase()
         stand_in = not inputs and self.sharded
@@ -320,26 +304,15 @@ class DPTrainer(DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatu
             return torch.zeros((), device=self.args.device)
         model.train()
         self.set_training_modes(self._scopes[min(self.engine.phase, len(self._scopes) - 1)] if self._scopes else None)
-        cache = self.features
         states = inputs.pop(STATES_KEY, None)
         inputs = self._prepare_inputs(inputs)
-        if "labels" not in inputs:
-            raise MissingColumnError("DPTrainer: the batch has no `labels`; per-example losses need them.")
-        labels = inputs.pop("labels")
         unit_ids = inputs.pop(UNIT_KEY, None)
-        batch_position_ids(self.model, inputs)
+        examples = self.examples_in_batch(inputs)
         # No DDP gradient sync: it would all-reduce the unclipped gradient, which the DP optimizer discards (it
         # all-reduces the clipped, noised sum itself), and would hang when another rank's micro-batch is empty.
-        with self.accelerator.no_sync(model), self.engine.recording(len(labels)):
+        with self.accelerator.no_sync(model), self.engine.recording(examples):
             with self.compute_loss_context_manager():
-                if cache.cached_head is not None:
-                    outputs = ModelOutput(logits=self.model.get_submodule(cache.cached_head)(inputs["features"]))
-                elif states is not None:  # only the trained blocks run, from the cached states
-                    with run_from_states(self.model, cache.prefix_cut.stack_name, cache.prefix_cut.first, states):
-                        outputs = model(**inputs)
-                else:
-                    outputs = model(**inputs)
-                losses = self.per_example_loss(outputs, labels)
+                losses = self.example_losses(model, inputs, states=states)
             # the mean of an example's views (augmentation_multiplicity = k, else 1) is what is clipped
             self.accelerator.backward(losses.sum() / self.args.augmentation_multiplicity)
         self.engine.after_backward(unit_ids, stand_in)

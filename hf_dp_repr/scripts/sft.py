@@ -1,0 +1,182 @@
+"""DP supervised fine-tuning of a chat model with TRL (`hf_dp_repr.trl.DPSFTTrainer`), for `python` or `accelerate
+launch`: LoRA on a Llama-style model, the loss on the assistant's tokens only, one USER (all their conversations) per
+unit of privacy; then the saved model answers a question through its chat template (`generate()`).
+
+Offline default: a 2-block Llama-style model built from a config (random init), a byte-level BPE tokenizer trained
+here on PUBLIC text (the docstrings of Python modules that are not users of the data, `chat_data.public_text`) with a
+chat template whose assistant turns sit in `{% generation %}` blocks, and private conversations about Python's
+standard library (`chat_data.stdlib_conversations`: each module is a user; held-out users are the eval set).
+
+    python recipes/dp_sft.py --config recipes/configs/dp_sft_tiny_llama.yaml --output_dir out/sft
+    accelerate launch --config_file recipes/accelerate_configs/cpu_2proc.yaml recipes/dp_sft.py \
+        --config recipes/configs/dp_sft_tiny_llama.yaml --output_dir out/sft-fsdp \
+        --fsdp full_shard --fsdp_config '{"fsdp_version": 2}'
+
+A real run (Hub model and data; NOT measured here): SmolLM2-1.7B-Instruct with LoRA r=16 on all linear layers, bf16,
+on one GPU (a ~20 GB estimate: 3.4 GB of bf16 weights, activations of 8 sequences of 1024 tokens with the ghost
+engine's per-layer inputs and output gradients kept for the clipping, no per-example gradient of the base weights):
+
+    accelerate launch recipes/dp_sft.py --model_name_or_path HuggingFaceTB/SmolLM2-1.7B-Instruct \
+        --dataset_name me/support-chats --privacy_unit user_id --assistant_only_loss true \
+        --lora_target_modules all-linear --lora_r 16 --target_epsilon 8 --target_delta 1e-6 \
+        --per_device_train_batch_size 8 --gradient_accumulation_steps 32 --num_train_epochs 3 --max_length 1024 \
+        --learning_rate 1e-3 --output_dir out/smollm2-dp-sft --push_to_hub --hub_model_id me/smollm2-dp-sft
+
+`--dataset_name`: `stdlib-chats` (built offline), a `save_to_disk` folder or a Hub dataset with `messages` (or
+prompt/completion) rows and, for user-level privacy, a `--privacy_unit` column. A Hub model's chat template must mark
+the assistant's turns with `{% generation %}` for `--assistant_only_loss true`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from hf_dp_repr.errors import RecipeArgumentError
+from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.scripts.arguments import ScriptArguments
+from hf_dp_repr.trl.sft import DPSFTConfig, DPSFTTrainer
+
+logger = logging.getLogger("hf_dp_repr.recipes.sft")
+STDLIB_CHATS = "stdlib-chats"
+USER_ID = "user_id"
+
+
+@dataclass
+class SFTArguments(ScriptArguments):
+    """Model, data and LoRA of the SFT recipe."""
+
+    model_name_or_path: str = field(default="tiny_llama", metadata={
+        "help": "Hub name or local folder of a causal LM, or the built-in tiny config 'tiny_llama'."})
+    dataset_name: str = field(default=STDLIB_CHATS, metadata={
+        "help": f"'{STDLIB_CHATS}' (built offline), a save_to_disk folder, or a datasets.load_dataset name."})
+    tokenizer_name: str | None = field(default=None, metadata={
+        "help": "Tokenizer with a chat template (default: the model's; for tiny_llama one is trained on public text)."})
+    tokenizer_vocab_size: int = field(default=512, metadata={"help": "Vocabulary of a locally trained tokenizer."})
+    max_conversations: int | None = field(default=600, metadata={"help": f"'{STDLIB_CHATS}': at most this many."})
+    max_per_user: int | None = field(default=15, metadata={"help": f"'{STDLIB_CHATS}': conversations per user."})
+    eval_users: int = field(default=2, metadata={"help": f"'{STDLIB_CHATS}': users held out for evaluation."})
+    use_lora: bool = field(default=True, metadata={"help": "Train LoRA adapters (peft) instead of every weight."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling α."})
+    lora_target_modules: str = field(default="q_proj,v_proj", metadata={
+        "help": "Comma-separated module names, or 'all-linear' (the LM head excluded)."})
+    sample_question: str = field(default="In json, what does this do: dumps?", metadata={
+        "help": "A question the saved model answers through its chat template (greedy) for the result table."})
+    sample_max_new_tokens: int = field(default=24, metadata={"help": "Length of that answer, in tokens."})
+
+
+ARGUMENT_TYPES = (SFTArguments, DPSFTConfig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the recipe; returns the final metrics (eval loss, ε, ...)."""
+    margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
+    if "privacy_unit" not in margs.given_options and margs.dataset_name == STDLIB_CHATS:
+        targs.privacy_unit = USER_ID  # user-level privacy by default on the built-in data
+    train, evaluation = load_chats(margs)
+    tokenizer = load_tokenizer(margs)
+    model = load_model(margs, tokenizer, targs)
+    peft_config = None
+    if margs.use_lora:
+        from peft import LoraConfig
+
+        targets = margs.lora_target_modules
+        peft_config = LoraConfig(r=margs.lora_r, lora_alpha=margs.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 target_modules=targets if targets == "all-linear" else targets.split(","))
+    unit = "one user (all their conversations)" if targs.privacy_unit == USER_ID else "one conversation"
+    card_info = ModelCardInfo(
+        model_name=f"{margs.model_name_or_path} chat-tuned on {margs.dataset_name}",
+        base_model=None if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path,
+        base_model_description=("a 2-block Llama-style model built from a config (random init)"
+                                if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path),
+        private_data=f"{len(train)} conversations of the '{margs.train_split}' split of {margs.dataset_name}; {unit} "
+                     "is one unit of privacy",
+        public_data=("the docstrings of Python modules that are no user of the data (the tokenizer was trained on "
+                     "them)" if getattr(tokenizer, "_trained_here", False) else "the base model and its tokenizer"))
+    trainer = DPSFTTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
+                           processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)
+    result = ru.train(trainer, margs.overwrite_output_dir)
+    return ru.finish_run(trainer, result, margs, push=push, extra_rows=lambda t: answer(t, margs))
+
+
+def load_chats(margs: SFTArguments):
+    """(train, eval) conversation datasets. The built-in data holds out the last `eval_users` users whole."""
+    if margs.dataset_name == STDLIB_CHATS:
+        from hf_dp_repr.trl.chat_data import stdlib_conversations
+
+        chats = stdlib_conversations(max_conversations=margs.max_conversations, max_per_user=margs.max_per_user)
+        users = list(dict.fromkeys(chats[USER_ID]))
+        held_out = set(users[-margs.eval_users:]) if margs.eval_users else set()
+        if len(held_out) >= len(users):
+            raise RecipeArgumentError(f"--eval_users {margs.eval_users} leaves no user to train on.")
+        return (chats.filter(lambda u: u not in held_out, input_columns=USER_ID),
+                chats.filter(lambda u: u in held_out, input_columns=USER_ID) if held_out else None)
+    raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
+    return ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
+
+
+def load_tokenizer(margs: SFTArguments):
+    name = margs.tokenizer_name or (None if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path)
+    if name is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    from hf_dp_repr.trl.chat_data import chat_tokenizer, public_text
+
+    tok = chat_tokenizer(public_text(), margs.tokenizer_vocab_size)  # public text only: never the conversations
+    tok._trained_here = True
+    return tok
+
+
+def load_model(margs: SFTArguments, tokenizer, targs):
+    """A Hub/local causal LM, or tiny_llama sized for the tokenizer. A tiny base is saved in output_dir/base_model
+    first, so that the saved adapters name a base model `generate()` can load again."""
+    name = margs.model_name_or_path
+    if not ru.is_tiny(name):
+        return name  # DPSFTTrainer loads it (model_init_kwargs), as SFTTrainer does
+    if name != "tiny_llama":
+        raise RecipeArgumentError(f"--model_name_or_path {name}: the SFT recipe's built-in config is 'tiny_llama'.")
+    from transformers import AutoModelForCausalLM
+
+    from hf_dp_repr.tiny import tiny_llama
+
+    base = os.path.join(targs.output_dir, "base_model")
+    if targs.should_save and not os.path.isdir(base):
+        model = tiny_llama(vocab_size=len(tokenizer), seed=targs.seed, max_position_embeddings=max(
+            64, targs.max_length or 64), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        model.save_pretrained(base)
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()
+    return AutoModelForCausalLM.from_pretrained(base)
+
+
+def answer(trainer, margs: SFTArguments) -> dict:
+    """The saved model (reloaded from output_dir: the base and the DP adapters) answers `--sample_question`
+    through the chat template, greedily (rank 0 only: a fresh model, no collective)."""
+    if not margs.sample_question or margs.sample_max_new_tokens < 1 or not trainer.is_world_process_zero():
+        return {}
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = trainer.args.output_dir
+    if margs.use_lora:
+        from peft import PeftConfig, PeftModel
+
+        base = PeftConfig.from_pretrained(out).base_model_name_or_path  # saved as a name, or relative to out
+        base = os.path.join(out, base) if os.path.isdir(os.path.join(out, base)) else base
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok.apply_chat_template([{"role": "user", "content": margs.sample_question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    model.eval()
+    with torch.no_grad():
+        generated = model.generate(**ids, max_new_tokens=margs.sample_max_new_tokens, do_sample=False,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    reply = tok.decode(generated[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return {"answer (greedy, saved DP model)": repr(reply)}
