@@ -1,5 +1,6 @@
-"""The loss hooks of one micro-batch, outermost first: `examples_in_batch`, `example_losses`, `per_example_loss`,
-and the modules' modes a training forward runs in (`set_training_modes`, also what the start-of-training probe runs).
+"""The hooks of one micro-batch, outermost first: `examples_in_batch`, `example_losses`, `per_example_loss`, then
+`row_units` (which rows the clipper clips together), the modules' modes a training forward runs in
+(`set_training_modes`) and the start-of-training probe of the rows (`probe_rows`).
 
 A Trainer subclass whose loss is a sum of per-example terms overrides one of them (`hf_dp_repr.trl.dp_trainer_class`).
 Each example's loss must depend on its own rows only (checked by the start-of-training probe); the batch's tensors are
@@ -14,6 +15,7 @@ from transformers.utils import ModelOutput
 from ..errors import MissingColumnError
 from ..privacy.grad_samplers import batch_position_ids
 from ..privacy.loss import per_example_loss
+from ..privacy.probe import probe_training_rows
 from ..scope.cached_head import set_probe_modes
 from ..scope.prefix_cache import run_from_states, set_frozen_prefix_modes
 
@@ -56,3 +58,13 @@ class DPExampleLossMixin:
             set_probe_modes(self.model, scope.head_modules)
         elif self.features.prefix_cut is not None:  # the frozen blocks in eval mode, cached or not
             set_frozen_prefix_modes(self.model, self.features.prefix_cut)
+
+    def row_units(self, inputs: dict, unit_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """The unit of each row the clipper sees, after the backward of `inputs`: the collated privacy-unit ids (None:
+        each row is its own example). Override when one example is several model rows (DPO: a pair's two rows)."""
+        return unit_ids
+
+    def probe_rows(self, dataset, collate, scope=None) -> set[str]:
+        """The start-of-training probe (`privacy.probe.probe_training_rows`): refuse a model or collator that mixes
+        examples; returns the trained modules that see several rows per example. Override with `example_losses`."""
+        return probe_training_rows(self, dataset, collate, scope)

@@ -38,7 +38,6 @@ from ..privacy.augmentation import ViewsBatchSampler, ViewsDataset
 from ..privacy.engine import DPEngine
 from ..privacy.ledger import PrivacyLedger, PrivacyPlan
 from ..privacy.loss import is_causal_lm
-from ..privacy.probe import probe_training_rows
 from ..privacy.randomness import DPRandomness
 from ..privacy.sampler import UNIT_KEY, ExampleBatchCollator, SamplerEpochCallback
 from ..privacy.sharding import is_sharded
@@ -315,7 +314,7 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
                 losses = self.example_losses(model, inputs, states=states)
             # the mean of an example's views (augmentation_multiplicity = k, else 1) is what is clipped
             self.accelerator.backward(losses.sum() / self.args.augmentation_multiplicity)
-        self.engine.after_backward(unit_ids, stand_in)
+        self.engine.after_backward(self.row_units(inputs, unit_ids), stand_in)
         if stand_in:
             return torch.zeros((), device=self.args.device)
         return losses.detach().mean() / self.current_gradient_accumulation_steps
@@ -333,8 +332,8 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
             check_preconditioning(self)  # probe_preconditioning: public data disjoint from the private set
             check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
             dataset, collator = self._train_dataset_and_collator()
-            self._several_rows = probe_training_rows(self, dataset, ExampleBatchCollator(collator),
-                                                     self._scopes[-1] if self._scopes else None)
+            self._several_rows = self.probe_rows(dataset, ExampleBatchCollator(collator),
+                                                 self._scopes[-1] if self._scopes else None)
         if self.train_dataset is not None and trial is None:  # (a trial's arguments are set by the Trainer later)
             self.privacy_plan()  # refused (e.g. a batch larger than the data) before anything is written
         path = checkpoint_to_resume(self.args.output_dir, resume_from_checkpoint) if resume_from_checkpoint else None

@@ -57,7 +57,6 @@ from ..privacy.sharding import is_sharded
 from ..privacy.units import ROW
 from ..scope.lora import has_peft_adapters
 from ..training.sharding import sharding_request
-from ..training.trainer import DPTrainer
 from .mechanism import dp_config_class, dp_trainer_class
 
 PAIR_KEYS = ("input_ids", "attention_mask", "completion_mask")  # TRL's per-sequence tensors: (2·pairs, T)
@@ -198,11 +197,6 @@ def _kept_requires_grad(model):
                 p.requires_grad_(flag)
 
 
-# Until the training step of DPTrainer asks `row_units` and its train() asks `probe_rows` (trl/MECHANISM_NOTES.md),
-# DPDPOTrainer routes the engine's `after_backward` and the start-of-training probe through them itself.
-_DPTRAINER_HOOKS = hasattr(DPTrainer, "row_units") and hasattr(DPTrainer, "probe_rows")
-
-
 class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
     """`trl.DPOTrainer` under DP-SGD (see the module docstring): the same arguments, with `args` a `DPDPOConfig`,
     and `model_card_info`. A pair is one example (or, with `privacy_unit`, all pairs of a unit are one unit).
@@ -212,6 +206,7 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
     (which covers the weights). `epsilon` is the privacy spent."""
 
     batch_has_labels = False  # the loss reads input_ids, attention_mask, completion_mask
+    compute_loss_handled = True  # its compute_loss is evaluation's; training uses example_losses (training.overrides)
 
     def __init__(self, model=None, ref_model=None, args: DPDPOConfig | None = None, train_dataset=None,
                  peft_config=None, **kwargs):
@@ -282,7 +277,6 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
     # ---- DPTrainer's loss hooks ----------------------------------------------------------------------------
     def examples_in_batch(self, inputs: dict) -> int:
         """The model rows of a micro-batch of pairs: two per pair (the clipper sees rows; pairs are its units)."""
-        self._last_batch = inputs  # for `_units_of_last_batch` (until DPTrainer calls `row_units` itself)
         return 2 * len(inputs["input_ids"])
 
     def row_units(self, inputs: dict, unit_ids: torch.Tensor | None) -> torch.Tensor:
@@ -367,23 +361,4 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
         # pairs as units (with a privacy_unit, units of pairs may span micro-batches: the hooks engine carries them)
         if engine.plan.privacy_unit == ROW:
             engine.optimizer.whole_units = True
-        if not _DPTRAINER_HOOKS and not getattr(engine, "_pair_units", False):
-            after_backward = engine.after_backward
-
-            def clip_pairs(unit_ids=None, stand_in=False):
-                return after_backward(self.row_units(self._last_batch, unit_ids), stand_in)
-
-            engine.after_backward, engine._pair_units = clip_pairs, True
         return optimizer
-
-    def train(self, *args, **kwargs):
-        if _DPTRAINER_HOOKS:
-            return super().train(*args, **kwargs)
-        from ..training import trainer as dp_trainer
-
-        generic = dp_trainer.probe_training_rows
-        dp_trainer.probe_training_rows = lambda trainer, *a: (trainer.probe_rows if trainer is self else generic)(*a)
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            dp_trainer.probe_training_rows = generic

@@ -31,7 +31,7 @@ Example (a Trainer subclass whose loss is one squared error per example):
     >>> def squared_error(self, outputs, labels):  # the same loss, one value per example
     ...     return (outputs.logits.squeeze(-1).float() - labels.float()) ** 2
     >>> DPSquaredErrorTrainer = dp_trainer_class(SquaredErrorTrainer, per_example_loss=squared_error)
-    >>> DPSquaredErrorTrainer.__name__, DPSquaredErrorTrainer.dp_replaces_compute_loss
+    >>> DPSquaredErrorTrainer.__name__, DPSquaredErrorTrainer.per_example_loss is squared_error
     ('DPSquaredErrorTrainer', True)
 """
 
@@ -162,8 +162,7 @@ def dp_trainer_class(trainer_cls: type, *, config_class: type | None = None,
         config_class = DPTrainingArguments if base is None else _resolve(TESTED[base.__name__])
     body = {"dp_config_class": config_class, "__doc__": f"{trainer_cls.__name__} under DP-SGD "
             "(hf_dp_repr.trl.dp_trainer_class): takes its arguments as a `dp_config_class` instance.",
-            # Its loss in training is DPTrainer's per-example loss, never trainer_cls.compute_loss (evaluation only).
-            "dp_replaces_compute_loss": True}
+            }  # (in training, DPTrainer's loss hooks; trainer_cls.compute_loss only in evaluation)
     if per_example_loss is not None:
         body["per_example_loss"] = per_example_loss
     return type(name or f"DP{trainer_cls.__name__}", (DPMechanism, DPTrainer, trainer_cls), body)
