@@ -51,7 +51,7 @@ ALLOW_PATTERNS = [
     "tokenizer*.json", "tokenizer.model", "vocab.*", "merges.txt", "special_tokens_map.json",
     "preprocessor_config.json", "processor_config.json", "chat_template.*",
     "all_results.json", "eval_results.json",
-    "representation_law.json", "*.png", "canary_audit.json",
+    "representation_law.json", "*.png", "canary_audit.json", "canary_exposure.json",
     LEDGER_FILE, CARD_FILE, SEARCH_FILE,
 ]  # fmt: skip
 # Never sent, whatever the allow-list says: anything in a subfolder (checkpoints, public pre-training, logs), and
