@@ -122,3 +122,23 @@ def test_coverage_names_the_guarantee():
     assert coverage("document_id", 16, 1.0, 1e-5) == "one unit: (ε = 1, δ = 1e-05)"
     assert coverage("row", 4, 1.0, 1e-5).startswith("4 units (one per copy): group privacy only, (ε = 4,")
     assert coverage("row", 4, None, 1e-5) == "no DP guarantee (ε = ∞)"
+
+
+@pytest.mark.slow
+def test_cli_writes_report_plot_and_dp_model(tmp_path, capsys):
+    from hf_dp_repr.cli import main
+
+    out = tmp_path / "audit"
+    main(["audit", "exposure", "--max-rows", "8", "--repeats", "4", "--secret-length", "2", "--max-length", "32",
+          "--out", str(out), "--", "--target_epsilon", "2", "--target_delta", "1e-3", "--max_steps", "3",
+          "--per_device_train_batch_size", "4", "--noise_seed", "0", "--disable_tqdm", "true"])
+    report = json.loads((out / "privacy_audit_exposure.json").read_text())
+    assert [c["repeats"] for c in report["canaries"]] == [4, 0] and report["privacy_unit"] == "document_id"
+    assert all({"exposure", "non_private_exposure"} <= set(c) for c in report["canaries"])
+    assert (out / "privacy_audit_exposure.png").stat().st_size > 0
+    assert (out / "model" / "privacy_ledger.json").is_file() and "Canary exposure" in (out / "model" / "README.md"
+                                                                                        ).read_text()
+    assert "inserted" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--push_to_hub"):
+        main(["audit", "exposure", "--out", str(tmp_path / "x"), "--", "--target_epsilon", "1", "--push_to_hub"])
+    assert not (tmp_path / "x").exists()

@@ -112,7 +112,8 @@ def log_perplexities(model, tokenizer, prefix: str, fillings: list[tuple[str, ..
     import torch
 
     device = next(model.parameters()).device
-    head = torch.tensor([start_ids(tokenizer) + tokenizer(prefix, add_special_tokens=False)["input_ids"]], device=device)
+    head = torch.tensor([start_ids(tokenizer) + tokenizer(prefix, add_special_tokens=False)["input_ids"]],
+                        device=device)
     rows = _filling_ids(tokenizer, fillings)
     # transformers ≥ 5.2x names the cache `cache` (`past_key_values` is deprecated); older versions the latter
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
