@@ -10,6 +10,9 @@
     hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text)
 
     hf-dp-repr audit --model out/ --members private_split/ --non-members digits:test --out audit/
+    hf-dp-repr audit exposure --out audit/ -- --target_epsilon 1 --target_delta 1e-5   (canary exposure, LM)
+
+    hf-dp-repr synth --config recipes/configs/synth_stdlib_topics_eps4.yaml   (DP synthetic text)
 
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
 `steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`.
@@ -163,6 +166,22 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_synth_parser(subparsers) -> None:
+    # prefix_chars="+": every --flag after `synth` is the recipe's (its --help included), not this parser's
+    p = subparsers.add_parser("synth", add_help=False, prefix_chars="+", help="DP synthetic text "
+                              "(hf_dp_repr.scripts.synth): DP fine-tune a causal LM on labelled text with control "
+                              "codes, sample N rows per label; `hf-dp-repr synth --help` lists its arguments.")
+    p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's arguments (--config file.yaml, ...)")
+    p.set_defaults(func=run_synth)
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module("hf_dp_repr.scripts.synth").main(args.recipe_args)  # by name, as `train` (same rank)
+    return 0
+
+
 def _add_analyze_parser(subparsers) -> None:
     from .analysis.cli import add_analyze_parser
 
@@ -177,7 +196,7 @@ def _add_audit_parser(subparsers) -> None:
 
 # Each adds its subcommand; `main` builds only the one it runs (its imports are the command's own).
 COMMANDS = {"privacy": _add_privacy_parser, "push": _add_push_parser, "train": _add_train_parser,
-            "analyze": _add_analyze_parser, "audit": _add_audit_parser}
+            "analyze": _add_analyze_parser, "audit": _add_audit_parser, "synth": _add_synth_parser}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

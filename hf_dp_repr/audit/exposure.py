@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..data.tokenizer import start_ids
 from ..errors import ArgumentError
 
 DIGITS = "0123456789"
@@ -137,11 +138,6 @@ def log_perplexities(model, tokenizer, prefix: str, fillings: list[tuple[str, ..
             out[lo:lo + len(chunk)] = (-token_logp.sum(1) / math.log(2)).cpu().numpy()
     model.train(was_training)
     return out
-
-
-def start_ids(tokenizer) -> list[int]:
-    """What every row starts with, in training (`exposure_run.training_rows`) and in scoring: BOS if there is one."""
-    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
 def _filling_ids(tokenizer, fillings: list[tuple[str, ...]]) -> list[list[int]]:

@@ -23,12 +23,12 @@ import os
 import tempfile
 
 import numpy as np
-from datasets import Dataset
 
 from ..data import DOCUMENT_ID
+from ..data.tokenizer import padded_rows, start_ids
 from ..errors import DataError
 from ..hub.card import EXPOSURE_FILE  # beside the DP model: its exposures only (the card renders them)
-from .exposure import CANARY_FORMAT, RANDOM_LEVEL, Canary, exposures, start_ids
+from .exposure import CANARY_FORMAT, RANDOM_LEVEL, Canary, exposures
 
 REPORT_FILE, PLOT_FILE = "privacy_audit_exposure.json", "privacy_audit_exposure.png"  # never pushed (privacy_audit*)
 WARNING = ("An empirical check of what the model remembers, not the guarantee: a small exposure does not prove "
@@ -37,28 +37,20 @@ NOT_COVERED = ("The non-private control was trained on the private rows outside 
                "covered by any DP guarantee (this report is never pushed).")
 
 
-def training_rows(texts: list[str], canaries: list[Canary], tokenizer, max_length: int, with_units: bool) -> Dataset:
+def training_rows(texts: list[str], canaries: list[Canary], tokenizer, max_length: int, with_units: bool):
     """Each text and each copy of each inserted canary as one row of at most `max_length` tokens (BOS first, EOS last,
     right-padded, labels −100 on padding). `with_units`: a `document_id` column, one value per private row and
     one per canary (all its copies)."""
-    eos = tokenizer.eos_token_id
     items = [(t, f"row-{i}") for i, t in enumerate(texts)]
     items += [(c.text, f"canary-{c.name}") for c in canaries for _ in range(c.repeats)]
-    start = start_ids(tokenizer)  # as the scoring's rows: the canary sits at the positions where it is scored
-    ids = [(start + row)[:max_length - 1] + [eos] for row in tokenizer([t for t, _ in items],
-                                                                        add_special_tokens=False)["input_ids"]]
-    too_long = [c.name for c in canaries if c.repeats and len(start + tokenizer(c.text)["input_ids"]) >= max_length]
+    too_long = [c.name for c in canaries if c.repeats and len(start_ids(tokenizer) + tokenizer(c.text)["input_ids"])
+                >= max_length]
     if too_long:
         raise DataError(f"exposure audit: the canaries {too_long} do not fit in max_length={max_length} tokens; "
                         "raise max_length or shorten the secret.")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    data = {"input_ids": [r + [pad] * (max_length - len(r)) for r in ids],
-            "attention_mask": [[1] * len(r) + [0] * (max_length - len(r)) for r in ids],
-            "labels": [r + [-100] * (max_length - len(r)) for r in ids]}
-    if with_units:
-        data[DOCUMENT_ID] = [u for _, u in items]
-    return Dataset.from_dict(data).with_format("torch", columns=["input_ids", "attention_mask", "labels"],
-                                               output_all_columns=True)
+    # BOS first, as in the scoring: the canary sits at the positions where it is scored
+    return padded_rows([t for t, _ in items], tokenizer, max_length,
+                       {DOCUMENT_ID: [u for _, u in items]} if with_units else None)
 
 
 def coverage(privacy_unit: str, repeats: int, epsilon: float | None, delta: float) -> str:

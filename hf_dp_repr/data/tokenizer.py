@@ -6,6 +6,9 @@ Example:
     >>> tok = train_tokenizer(["the secret code is 1 2 3", "Return the value."] * 20, vocab_size=300)
     >>> tok.decode(tok("Return the value.")["input_ids"])
     'Return the value.'
+    >>> rows = padded_rows(["Return the value."], tok, max_length=32)
+    >>> rows[0]["input_ids"][0] == tok.bos_token_id, int(rows[0]["attention_mask"].sum()) < 32
+    (True, True)
 """
 
 from __future__ import annotations
@@ -26,3 +29,25 @@ def train_tokenizer(texts, vocab_size: int):
                                   pad_token="<|endoftext|>")
     tok._trained_here = True
     return tok
+
+
+def start_ids(tokenizer) -> list[int]:
+    """What every training row starts with (and so every prompt or scored sequence): BOS if there is one."""
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def padded_rows(texts: list[str], tokenizer, max_length: int, columns: dict | None = None):
+    """One causal-LM example per text (one unit of privacy each, unless a unit column says otherwise): BOS, the
+    text's tokens, EOS, truncated to `max_length`, right-padded; labels −100 on the padding. `columns`: extra columns
+    (e.g. a unit id), kept beside the torch-formatted ones."""
+    from datasets import Dataset
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    ids = [(start_ids(tokenizer) + row)[:max_length - 1] + [eos]
+           for row in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    data = {"input_ids": [r + [pad] * (max_length - len(r)) for r in ids],
+            "attention_mask": [[1] * len(r) + [0] * (max_length - len(r)) for r in ids],
+            "labels": [r + [-100] * (max_length - len(r)) for r in ids], **(columns or {})}
+    return Dataset.from_dict(data).with_format("torch", columns=["input_ids", "attention_mask", "labels"],
+                                               output_all_columns=True)
