@@ -112,3 +112,21 @@ def test_dataset_push_refuses_other_prompts_or_no_ledger(run, tmp_path):
     (folder / "privacy_ledger.json").unlink()
     with pytest.raises(LedgerError, match="privacy_ledger.json"):
         check_dataset_pushable(folder)
+
+
+@pytest.mark.slow
+def test_the_synth_command_end_to_end(tmp_path, hub, capsys):
+    from hf_dp_repr.cli import main
+
+    main(["synth", "--output_dir", str(tmp_path / "run"), "--target_epsilon", "4", "--target_delta", "1e-4",
+          "--max_steps", "2", "--per_device_train_batch_size", "32", "--public_epochs", "0.05", "--n_per_label", "2",
+          "--max_new_tokens", "6", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
+          "--push_to_hub", "--hub_dataset_id", "someone/synth-e2e"])
+    folder = tmp_path / "run" / "synthetic"
+    rows = Dataset.from_parquet(str(folder / "synthetic.parquet"))
+    assert rows.num_rows == 32 and len(rows.features["labels"].names) == 16  # 2 per stdlib-topics module
+    eps = json.loads((tmp_path / "run" / "privacy_ledger.json").read_text())["epsilon"]
+    assert DatasetCard.load(folder / "README.md").data.to_dict()["hf_dp_repr"]["epsilon"] == eps
+    assert "synthetic dataset: 32 rows" in capsys.readouterr().out
+    assert HfApi().list_repo_files("someone/synth-e2e", repo_type="dataset") == [
+        ".gitattributes", "README.md", "privacy_ledger.json", "synthesis.json", "synthetic.parquet"]
