@@ -62,6 +62,10 @@ class SynthArguments(PublicPretrainingArguments, ScriptArguments):
     hub_dataset_id: str | None = field(default=None, metadata={
         "help": "Dataset repository for --push_to_hub (default: --hub_model_id, else the output folder's name)."})
     public_epochs: float = field(default=10, metadata={"help": "Epochs of the non-private public pre-training."})
+    lora_r: int = field(default=0, metadata={
+        "help": "LoRA rank: > 0 trains LoRA adapters (peft) under DP instead of the --trainable_blocks scope."})
+    lora_target_modules: str | None = field(default=None, metadata={
+        "help": "Comma-separated layer names for LoRA (default: peft's choice for the architecture)."})
 
 
 ARGUMENT_TYPES = (SynthArguments, DPTrainingArguments)
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         public_data=(f"{len(public)} docstring paragraphs of stdlib modules that are not labels, for non-private "
                      "pre-training and the tokenizer" if public is not None else f"the pre-trained weights of {name}"))
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
-                        model_card_info=card_info)
+                        model_card_info=card_info, peft_config=_lora(margs))
     metrics = ru.finish_run(trainer, ru.train(trainer, margs.overwrite_output_dir), margs,
                             extra_metrics=lm._perplexity)
     if not trainer.is_world_process_zero():
@@ -139,6 +143,16 @@ def load_labelled(margs: SynthArguments):
     raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
     train, test = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
     return train, test, None
+
+
+def _lora(margs: SynthArguments):
+    if margs.lora_r <= 0:
+        return None
+    from peft import LoraConfig
+
+    targets = margs.lora_target_modules.split(",") if margs.lora_target_modules else None
+    return LoraConfig(r=margs.lora_r, lora_alpha=2 * margs.lora_r, lora_dropout=0.0, target_modules=targets,
+                      task_type="CAUSAL_LM")
 
 
 def _tokenizer(margs: SynthArguments, public):
