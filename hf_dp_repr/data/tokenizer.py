@@ -7,7 +7,7 @@ Example:
     >>> tok.decode(tok("Return the value.")["input_ids"])
     'Return the value.'
     >>> rows = padded_rows(["Return the value."], tok, max_length=32)
-    >>> rows[0]["input_ids"][0] == tok.bos_token_id, int(rows[0]["attention_mask"].sum()) < 32
+    >>> int(rows[0]["input_ids"][0]) == tok.bos_token_id, int(rows[0]["attention_mask"].sum()) < 32
     (True, True)
 """
 

@@ -9,7 +9,7 @@ Example:
     >>> tok = train_tokenizer(["json: Decode a document.", "csv: Read rows."] * 10, vocab_size=300)
     >>> model = tiny_gpt2(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
     >>> ds = generate_synthetic(model, tok, ["json", "csv"], 3, max_new_tokens=8, progress=False)
-    >>> ds.num_rows, ds.features["labels"].names, ds["labels"]
+    >>> ds.num_rows, ds.features["labels"].names, list(ds["labels"])
     (6, ['json', 'csv'], [0, 0, 0, 1, 1, 1])
 """
 
