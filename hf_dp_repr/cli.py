@@ -10,6 +10,9 @@
     hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text, sft, dpo)
 
     hf-dp-repr audit --model out/ --members private_split/ --non-members digits:test --out audit/
+    hf-dp-repr audit exposure --out audit/ -- --target_epsilon 1 --target_delta 1e-5   (canary exposure, LM)
+
+    hf-dp-repr synth --config recipes/configs/synth_stdlib_topics_eps4.yaml   (DP synthetic text)
 
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
 `steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`, and what
@@ -179,6 +182,20 @@ def run_train(args: argparse.Namespace) -> int:
     return run_command(recipe, f"hf-dp-repr train {args.task}", args.recipe_args)
 
 
+def add_synth_parser(subparsers) -> None:
+    # prefix_chars="+": every --flag after `synth` is the recipe's (its --help included), not this parser's
+    p = subparsers.add_parser("synth", add_help=False, prefix_chars="+", help=COMMANDS["synth"][0])
+    p.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's arguments (--config file.yaml, ...)")
+    p.set_defaults(func=run_synth)
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module("hf_dp_repr.scripts.synth").main(args.recipe_args)  # by name, as `train` (same rank)
+    return 0
+
+
 # name: (its line in `hf-dp-repr --help`, "module:function" that adds its parser; imported only when it runs)
 COMMANDS = {
     "privacy": ("ε of a planned DP-SGD run, or the σ that reaches a target ε.", "hf_dp_repr.cli:add_privacy_parser"),
@@ -190,7 +207,11 @@ COMMANDS = {
     "analyze": ("separation fuzziness / prediction residual laws of models",
                 "hf_dp_repr.analysis.cli:add_analyze_parser"),
     "audit": ("membership inference against a saved DP run (report beside its ε); `audit canaries`: the one-run "
-              "canary audit", "hf_dp_repr.audit.cli:add_audit_parser"),
+              "canary audit; `audit exposure`: canary exposure with and without DP",
+              "hf_dp_repr.audit.cli:add_audit_parser"),
+    "synth": ("DP synthetic text (hf_dp_repr.scripts.synth): DP fine-tune a causal LM on labelled text with control "
+              "codes, sample N rows per label; `hf-dp-repr synth --help` lists its arguments.",
+              "hf_dp_repr.cli:add_synth_parser"),
 }
 
 

@@ -11,7 +11,7 @@ RANKS = {
     "hf_dp_repr.entry_point": 0,
     "hf_dp_repr.data": 1, "hf_dp_repr.scope": 2, "hf_dp_repr.privacy": 3, "hf_dp_repr.hub": 4,
     "hf_dp_repr.training": 5, "hf_dp_repr.analysis": 6, "hf_dp_repr.trl": 6, "hf_dp_repr.audit": 7,
-    "hf_dp_repr.tuning": 7,
+    "hf_dp_repr.tuning": 7, "hf_dp_repr.synth": 7,
     "hf_dp_repr.scripts": 8, "hf_dp_repr.cli": 8,
     "hf_dp_repr": 9,  # the root facade: re-exports and registrations; nothing in the package imports it
 }

@@ -9,6 +9,9 @@
   `hf-dp-repr audit canaries` (`canary_cli`) runs either from the command line.
 - `bounds`: the one-run bound, Clopper–Pearson intervals and the classic multi-run bound.
 - `multi_run`: the classic audit over repeated runs with and without one canary.
+- `exposure`: canary exposure of a causal LM (Carlini et al. 2019): secret-bearing sentences inserted r times,
+  exposure = log2 |R| − log2 rank of the secret (exact, or extrapolated by a skew-normal fit); `exposure_run` trains
+  without and with DP side by side, `hf-dp-repr audit exposure` (`exposure_cli`) runs it (docs/exposure.md).
 
 An empirical lower bound above the claimed ε means the implementation or the accounting is wrong; a bound below
 it proves nothing about privacy (the attack may be weak). Every audit reads private training data outside DP-SGD:
@@ -23,9 +26,10 @@ Example:
 from .bounds import clopper_pearson, multi_run_epsilon_lower_bound, one_run_epsilon_lower_bound, one_run_p_value
 from .canaries import draw_inclusion, make_canaries, one_run_audit, train_with_canaries
 from .dirac import DiracCanaryTrainer, train_with_dirac_canaries
+from .exposure import Canary, draw_canaries, exposure, exposures
 from .mia import calibrated_scores, classification_losses, plot_roc, roc_metrics
 
 __all__ = ["clopper_pearson", "multi_run_epsilon_lower_bound", "one_run_epsilon_lower_bound", "one_run_p_value",
            "draw_inclusion", "make_canaries", "one_run_audit", "train_with_canaries", "DiracCanaryTrainer",
-           "train_with_dirac_canaries", "calibrated_scores",
+           "train_with_dirac_canaries", "Canary", "draw_canaries", "exposure", "exposures", "calibrated_scores",
            "classification_losses", "plot_roc", "roc_metrics"]

@@ -4,6 +4,7 @@
     hf-dp-repr audit --model out/run --members data/private --non-members data/heldout:test \\
         --reference-model out/ref-a --reference-model out/ref-b --out audit/
     hf-dp-repr audit canaries ...   (the one-run canary audit: `canary_cli`)
+    hf-dp-repr audit exposure ...   (canary exposure of a causal LM, without and with DP: `exposure_cli`)
 
 Datasets: `digits:train` / `digits:test` (sklearn's digits, offline, the split `load_digits_dataset` makes), or a
 directory written by `save_to_disk` (a `Dataset`, or a `DatasetDict` as `DIR:split`), with `labels` (or `label`)
@@ -50,7 +51,8 @@ NOT_COVERED = ("Computed on the private training examples (members) outside DP-S
 def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `audit` subcommand on an argparse `subparsers` object (sets `func=run_audit`)."""
     p = subparsers.add_parser("audit", help="membership inference against a saved DP run (report beside its ε); "
-                              "`audit canaries`: the one-run canary audit", description=__doc__.split("\n\n")[0])
+                              "`audit canaries`: the one-run canary audit; `audit exposure`: canary exposure of a "
+                              "causal LM", description=__doc__.split("\n\n")[0])
     # required unless `audit canaries` is given (argparse cannot make them conditional): checked by run_audit
     p.add_argument("--model", help="the run's folder (DPTrainer output_dir with privacy_ledger.json)")
     p.add_argument("--members", metavar="DATASET",
@@ -63,8 +65,11 @@ def add_audit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=128)
     p.set_defaults(func=run_audit)
     from .canary_cli import add_canary_parser
+    from .exposure_cli import add_exposure_parser
 
-    add_canary_parser(p.add_subparsers(dest="audit_kind", metavar="{canaries}"))
+    kinds = p.add_subparsers(dest="audit_kind", metavar="{canaries,exposure}")
+    add_canary_parser(kinds)
+    add_exposure_parser(kinds)
     return p
 
 

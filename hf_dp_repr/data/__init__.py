@@ -1,6 +1,7 @@
 """Stage 1, data: what goes into a run, before anything trains. The datasets that ship with the install
 (`embedded`: sklearn's digits, the standard-library docstring corpus of `stdlib_corpus`, token blocks that never
-cross documents, the bundled MiniLM), image folders and Hub image datasets (`images`), and the explained loading of a
+cross documents, the bundled MiniLM), control-coded rows (`control_codes`), a locally trained tokenizer and
+padded causal-LM rows (`tokenizer`), image folders and Hub image datasets (`images`), and the explained loading of a
 broken model file (`model_files`). Nothing here knows about privacy or training; every later stage may import it.
 
 `hf_dp_repr.data` serves the embedded datasets by name (`load_embedded`, `load_digits_dataset`, ...), as before

@@ -42,13 +42,14 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ..errors import ArgumentTypeError, LedgerError
 from ..privacy.ledger import LEDGER_FILE
-from .card_values import audit_row, format_epsilon, template_values  # noqa: F401  (format_epsilon: public here)
+from .card_values import audit_row, exposure_rows, format_epsilon, template_values  # noqa: F401  (format_epsilon: public here)
 from .public_names import cached_hub_id, is_local_path, public_text
 
 TEMPLATE_NAME = "dp_model_card.md"
 RESULTS_FILE = "all_results.json"
 LAW_FILE = "representation_law.json"
 CANARY_AUDIT_FILE = "canary_audit.json"  # opt-in: hf_dp_repr.audit.canaries.save_canary_audit
+EXPOSURE_FILE = "canary_exposure.json"  # hf-dp-repr audit exposure: the DP model's canary exposures
 SEARCH_FILE = "hp_search.json"  # a private hyperparameter search's cost, beside the trial it selected
 CARD_FILE = "README.md"
 TAGS = ["differential-privacy", "dp-sgd", "opacus", "hf-dp-repr"]
@@ -207,6 +208,7 @@ def render_model_card(ledger: dict, *, model_card_info: ModelCardInfo | dict | N
     datasets_ = [d for d in info.get("datasets", []) if _looks_like_hub_id(d)]
     values = template_values(ledger, info, scope, results, laws, search)
     values["canary_audit"] = audit_row(audit)
+    values["exposure_audit"] = exposure_rows(_load_json(Path(output_dir) / EXPOSURE_FILE) if output_dir else None)
     values["engine_text"] = ENGINES.get(engine, "per-example clipping")
     if base_model_local:
         described = values["base_model_text"] != base_model

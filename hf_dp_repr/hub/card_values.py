@@ -182,6 +182,16 @@ def audit_row(audit: dict | None) -> dict | None:
                 delta=f"{audit['delta']:g}")
 
 
+def exposure_rows(report: dict | None) -> dict | None:
+    """The DP model's canary exposures (`canary_exposure.json`, written by `hf-dp-repr audit exposure`)."""
+    if not report:
+        return None
+    rows = [dict(repeats=c["repeats"] or "never", candidates=c["candidates"], exposure=f"{c['exposure']:.2f}",
+                 method=c["method"], covered_by=c["covered_by"]) for c in report["canaries"]]
+    return dict(rows=rows, random_level=f"{report['random_level']:.2f}", warning=report["warning"],
+                format=report.get("format", "the secret code of NAME is 4 7 1 9"))
+
+
 def _reported_metric(key: str, value) -> bool:
     """Held-out metrics and ε; not timings, and not the training loss (computed on private data outside DP)."""
     if not isinstance(value, (int, float)) or key.endswith(("_runtime", "_per_second")):

@@ -4,16 +4,13 @@ repository, commit files and read them back, from memory on 127.0.0.1 (`LocalHub
     python -m hf_dp_repr.hub.local_server --port 8000
     HF_ENDPOINT=http://127.0.0.1:8000 HF_TOKEN=hf_write_someone hf-dp-repr push out/ --hub_model_id someone/dp-run
 
-What it speaks, as huggingface.co does (huggingface_hub's hf_api.py / _commit_api.py / file_download.py):
-- tokens (`Authorization: Bearer ...`): `TOKENS` below (a user and a role: read, write, fine-grained), others 401;
-- `GET /api/whoami-v2`, `POST /api/repos/create`, `POST /api/validate-yaml` (the card's YAML must be a mapping);
-- per model repository: `preupload` (every file "regular": no LFS, no Xet), the NDJSON `commit` (base64 "file"
-  entries, deletions), `tree`, `refs`, `branch`, `model_info` (`/api/models/{id}[/revision/{rev}]`) and
-  `HEAD`/`GET /{id}/resolve/{rev}/{path}` with the `X-Repo-Commit` and `ETag` headers;
-- private repositories: anonymous reads get 401, other users 404, both with `X-Error-Code: RepoNotFound`;
-  writing needs a write token of the namespace's owner (or a member of its org with write role): else 403.
-Commits are snapshots (path -> bytes), sha1 ids; a new repository starts with the Hub's `.gitattributes` commit. A
-request it does not know (501) or cannot read (500) is recorded in `unknown` (the `hub` fixture fails on it).
+What it speaks, as huggingface.co does (huggingface_hub's hf_api.py, _commit_api.py, file_download.py): `TOKENS`
+(else 401), `whoami-v2`, `repos/create`, `validate-yaml`; per model or dataset repository ("datasets/{id}" in
+`repos`): `preupload` (files "regular"), the NDJSON `commit`, `tree`, `refs`, `branch`, its info, `HEAD`/`GET
+.../resolve/{rev}/{path}` (`X-Repo-Commit`, `ETag`). Private repositories: anonymous reads 401, other users 404
+(`RepoNotFound`); writes need a write token of the owner or of a member of its org with write role, else 403.
+Commits are snapshots (path -> bytes), sha1 ids, the first with the Hub's `.gitattributes`. A request it does not
+know (501) or cannot read (500) is recorded in `unknown` (the `hub` fixture fails on it).
 """
 
 from __future__ import annotations
@@ -148,6 +145,7 @@ def _writable_namespaces(token: dict) -> list[str]:
 def _may_write(token: dict | None, repo_id: str) -> bool:
     if token is None or token["role"] == "read":
         return False
+    repo_id = repo_id.removeprefix(DATASETS)
     namespace = repo_id.split("/")[0]
     if token["role"] == "fineGrained":
         return any(scope in (namespace, repo_id) for scope in token["scoped"])
@@ -157,7 +155,7 @@ def _may_write(token: dict | None, repo_id: str) -> bool:
 def _may_read(token: dict | None, repo: Repo) -> bool:
     if not repo.private:
         return True
-    namespace = repo.id.split("/")[0]
+    namespace = repo.id.removeprefix(DATASETS).split("/")[0]
     return token is not None and (namespace == token["user"] or token["user"] in ORGS.get(namespace, {}))
 
 
@@ -175,7 +173,8 @@ def _whoami(token: dict) -> dict:
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------------------------
-REPO = r"/api/models/(?P<repo>[^/]+/[^/]+)"
+DATASETS = "datasets/"  # a dataset repository's key in LocalHub.repos: "datasets/owner/name" (models: "owner/name")
+REPO = r"/api/(?P<kind>models|datasets)/(?P<repo>[^/]+/[^/]+)"
 ROUTES = [  # (method, path regex, handler name)
     ("GET", r"/api/whoami-v2", "whoami"),
     ("POST", r"/api/repos/create", "create_repo"),
@@ -186,8 +185,8 @@ ROUTES = [  # (method, path regex, handler name)
     ("GET", REPO + r"/tree/(?P<rev>[^/]+)(?:/(?P<path>.+))?", "tree"),
     ("GET", REPO + r"/refs", "refs"),
     ("POST", REPO + r"/branch/(?P<branch>[^/]+)", "create_branch"),
-    ("GET", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
-    ("HEAD", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
+    ("GET", r"/(?:(?P<kind>datasets)/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
+    ("HEAD", r"/(?:(?P<kind>datasets)/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
 ]
 
 
@@ -227,6 +226,8 @@ class _Handler(BaseHTTPRequestHandler):
             if secret and self.token is None:
                 raise HubError(401, INVALID_TOKEN)
             args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
+            if args.pop("kind", None) == "datasets":
+                args["repo"] = DATASETS + args["repo"]
             with hub.lock:
                 status, payload, headers = getattr(self, name)(hub, **args)
         except HubError as err:
@@ -286,19 +287,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     def create_repo(self, hub):
         body = self._json()
-        if body.get("type", "model") != "model":
-            raise HubError(400, "the test Hub hosts model repositories only")
+        if body.get("type", "model") not in ("model", "dataset"):
+            raise HubError(400, "the test Hub hosts model and dataset repositories only")
+        prefix = DATASETS if body.get("type") == "dataset" else ""
         if self.token is None:
             raise HubError(401, INVALID_TOKEN)
         namespace = body.get("organization") or self.token["user"]
         repo_id = f"{namespace}/{body['name']}"
         if not _may_write(self.token, repo_id):
             raise HubError(403, f'You don\'t have the rights to create a model under the namespace "{namespace}"')
-        if repo_id in hub.repos:
-            raise HubError(409, "You already created this model repo", url=self._url(hub, repo_id))
+        if prefix + repo_id in hub.repos:
+            raise HubError(409, "You already created this model repo", url=self._url(hub, prefix + repo_id))
         private = body.get("visibility", "private" if body.get("private") else "public") == "private"
-        hub.create_repo(repo_id, private)
-        return 200, {"url": self._url(hub, repo_id), "name": repo_id, "id": repo_id}, {}
+        hub.create_repo(prefix + repo_id, private)
+        return 200, {"url": self._url(hub, prefix + repo_id), "name": repo_id, "id": repo_id}, {}
 
     def validate_yaml(self, hub):
         content = self._json().get("content", "")

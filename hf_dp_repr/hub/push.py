@@ -51,7 +51,7 @@ ALLOW_PATTERNS = [
     "tokenizer*.json", "tokenizer.model", "vocab.*", "merges.txt", "special_tokens_map.json",
     "preprocessor_config.json", "processor_config.json", "chat_template.*",
     "all_results.json", "eval_results.json",
-    "representation_law.json", "*.png", "canary_audit.json",
+    "representation_law.json", "*.png", "canary_audit.json", "canary_exposure.json",
     LEDGER_FILE, CARD_FILE, SEARCH_FILE,
 ]  # fmt: skip
 # Never sent, whatever the allow-list says: anything in a subfolder (checkpoints, public pre-training, logs), and
@@ -206,12 +206,14 @@ def upload_run(folder: str | os.PathLike, repo_id: str, *, commit_message: str, 
             allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS, run_as_future=run_as_future)
 
 
-def create_repo(repo_id: str, *, private: bool | None = None, token: str | None = None) -> str:
-    """Create `repo_id` if it does not exist; returns its full `owner/name`."""
+def create_repo(repo_id: str, *, private: bool | None = None, token: str | None = None,
+                repo_type: str | None = None) -> str:
+    """Create `repo_id` (a model repository, or `repo_type="dataset"`) if it does not exist; returns its full
+    `owner/name`."""
     from huggingface_hub import HfApi
 
     with explained_hub_errors(f"create the repository {repo_id}"):
-        return HfApi(token=token).create_repo(repo_id, private=private, exist_ok=True).repo_id
+        return HfApi(token=token).create_repo(repo_id, private=private, exist_ok=True, repo_type=repo_type).repo_id
 
 
 def push_dp_model(trainer, repo_id: str | None = None, *, commit_message: str = "DP-SGD run (hf-dp-repr)",

@@ -31,6 +31,7 @@ import torch.distributed as dist
 # Purposes: one stream each, so a seed never ties the batches to the noise. A shard's noise has its own purpose:
 # SeedSequence keys [..., step] and [..., step, 0] give the same state (trailing zero words do not change it).
 _NOISE, _SAMPLING, _SHARD_NOISE = 1, 2, 3
+_CANARIES = 4  # the secrets of an exposure audit's canaries (hf_dp_repr.audit.exposure)
 
 
 class DPRandomness:
@@ -66,3 +67,8 @@ class DPRandomness:
         """A 128-bit seed for the batch sampler, which keys its draws on it and the epoch."""
         words = self._key(_SAMPLING, 0).generate_state(4, np.uint32)
         return sum(int(w) << (32 * i) for i, w in enumerate(words))
+
+    def canary_generator(self) -> np.random.Generator:
+        """The generator of an exposure audit's canary secrets: its own purpose, so knowing the canaries tells
+        nothing of the noise or the batches (and the reverse)."""
+        return np.random.default_rng(self._key(_CANARIES, 0))

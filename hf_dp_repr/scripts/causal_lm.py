@@ -46,6 +46,7 @@ from hf_dp_repr.data import (
     unique_documents,
 )
 from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.data.tokenizer import train_tokenizer
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import checks
@@ -235,23 +236,6 @@ def load_or_train_tokenizer(margs: LMArguments, public_docs, save_dir: str):
                                   "tokenizer trained on the private text would leak it). Give --tokenizer_name or "
                                   "--public_fraction.")
     return train_tokenizer(public_docs["text"], margs.tokenizer_vocab_size)
-
-
-def train_tokenizer(texts, vocab_size: int):
-    """A byte-level BPE tokenizer (GPT-2 style) trained with `tokenizers` on `texts`, as a fast HF tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(list(texts), trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>")
-    tok._trained_here = True
-    return tok
 
 
 def _load_model(name, tokenizer, block_size, seed):
