@@ -323,6 +323,7 @@ def test_summary_json_has_no_infinity_and_says_which_run_is_not_private():
     assert runs["dp_eps1"]["epsilon"] == 0.99 and runs["dp_eps1"]["differentially_private"] is True
     assert "law_entry" not in runs["dp_eps8"] and summary["private_data_helps"] is False
     assert "| non_private | ∞ |" in demo._table(rows)  # the printed table still says ∞
+    assert "ρ: the decay per layer" in demo._table(rows)  # the ρ columns are explained where they are printed
     with pytest.raises(ValueError, match="Infinity"):
         json.loads(json.dumps({"epsilon": math.inf}), parse_constant=_refuse)  # what main wrote
 

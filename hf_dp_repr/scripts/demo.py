@@ -152,6 +152,9 @@ def _table(rows: dict) -> str:
             eps = f(r["epsilon"], ".3f")
         lines.append(f"| {name} | {eps} | {f(100 * r['accuracy'], '.1f')} % | {f(r['rho_fuzziness'], '.3f')} | "
                      f"{f(r['rho_residual'], '.3f')} |")
+    lines += ["", "ρ: the decay per layer of a law fitted across the layers on the test split (He & Su): separation "
+              "fuzziness D_l ≈ ρ^l · D_0 (within-class spread against between-class), prediction residual PR_l ≈ "
+              "ρ^(l-1) · PR_1 (1 - R² of a linear fit to the label). Smaller ρ: each layer separates the classes more."]
     return "\n".join(lines)
 
 
