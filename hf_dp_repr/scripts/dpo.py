@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import utils as ru
-from hf_dp_repr.scripts.sft import STDLIB_CHATS, USER_ID, SFTArguments, answer, load_chats, load_tokenizer
+from hf_dp_repr.scripts.sft import (
+    STDLIB_CHATS,
+    USER_ID,
+    SFTArguments,
+    answer,
+    load_chats,
+    load_tokenizer,
+    lora_config,
+)
 from hf_dp_repr.trl.dpo import DPDPOConfig, DPDPOTrainer
 
 logger = logging.getLogger("hf_dp_repr.recipes.dpo")
@@ -123,13 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     train, evaluation = (None if d is None else conversation_pairs(d) for d in load_chats(margs))
     tokenizer = load_tokenizer(margs)
     model = load_policy(margs, tokenizer, targs)
-    peft_config = None
-    if margs.use_lora:
-        from peft import LoraConfig
-
-        targets = margs.lora_target_modules
-        peft_config = LoraConfig(r=margs.lora_r, lora_alpha=margs.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                 target_modules=targets if targets == "all-linear" else targets.split(","))
+    peft_config = lora_config(margs)
     card_info = ModelCardInfo(
         model_name=f"{margs.sft_model or margs.model_name_or_path} preference-tuned (DPO) on {margs.dataset_name}",
         private_data=f"{len(train)} preference pairs built from the '{margs.train_split}' conversations of "

@@ -71,6 +71,17 @@ class SFTArguments(ScriptArguments):
 ARGUMENT_TYPES = (SFTArguments, DPSFTConfig)
 
 
+def lora_config(margs):
+    """The recipe's LoRA adapters (`--use_lora`, `--lora_r`, ...), or None for full fine-tuning."""
+    if not margs.use_lora:
+        return None
+    from peft import LoraConfig
+
+    targets = margs.lora_target_modules
+    return LoraConfig(r=margs.lora_r, lora_alpha=margs.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=targets if targets == "all-linear" else targets.split(","))
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (eval loss, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
@@ -79,13 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     train, evaluation = load_chats(margs)
     tokenizer = load_tokenizer(margs)
     model = load_model(margs, tokenizer, targs)
-    peft_config = None
-    if margs.use_lora:
-        from peft import LoraConfig
-
-        targets = margs.lora_target_modules
-        peft_config = LoraConfig(r=margs.lora_r, lora_alpha=margs.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                 target_modules=targets if targets == "all-linear" else targets.split(","))
+    peft_config = lora_config(margs)
     unit = "one user (all their conversations)" if targs.privacy_unit == USER_ID else "one conversation"
     card_info = ModelCardInfo(
         model_name=f"{margs.model_name_or_path} chat-tuned on {margs.dataset_name}",
