@@ -3,6 +3,7 @@
 `hf-dp-repr train`; the demo (its summary and the end-to-end run) and the seed 000 / 004 scripts."""
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -155,10 +156,13 @@ def test_every_shipped_config_parses():
     import yaml
 
     for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
-        named = re.search(r"recipes/(dp_\w+)\.py", cfg.read_text())  # each config names its recipe; demo: image
+        named = re.findall(r"recipes/(dp_\w+)\.py", cfg.read_text())  # its recipe is named last; demo: image
         by_file = {"dp_image_classification": image_recipe, "dp_causal_lm": lm_recipe,
-                   "dp_text_classification": text_recipe}
-        recipe = by_file[named.group(1)] if named else image_recipe
+                   "dp_text_classification": text_recipe, "dp_sft": "sft", "dp_dpo": "dpo",
+                   "dp_synthetic_text": "synth"}
+        recipe = by_file[named[-1]] if named else image_recipe
+        if isinstance(recipe, str):  # (the TRL recipes import trl: only when their config is read)
+            recipe = importlib.import_module(f"hf_dp_repr.scripts.{recipe}")
         values = yaml.safe_load(cfg.read_text())
         budget = [] if {"target_epsilon", "noise_multiplier"} & set(values) else ["--target_epsilon", "1"]  # demo
         parse_args(recipe.ARGUMENT_TYPES, ["--config", str(cfg), "--output_dir", "x", *budget])

@@ -48,6 +48,8 @@ USER_ID = "user_id"
 class SFTArguments(ScriptArguments):
     """Model, data and LoRA of the SFT recipe."""
 
+    BUILT_IN_DATASETS = (STDLIB_CHATS,)  # built offline by this recipe, not looked up on the Hub (check_names)
+
     model_name_or_path: str = field(default="tiny_llama", metadata={
         "help": "Hub name or local folder of a causal LM, or the built-in tiny config 'tiny_llama'."})
     dataset_name: str = field(default=STDLIB_CHATS, metadata={

