@@ -136,3 +136,52 @@ def test_members_are_checked_against_the_ledger_n_and_unit():
 
 def test_membership_inference_flags_are_required_without_the_canaries_subcommand(tmp_path):
     _refused(["audit", "--members", "digits:train"], tmp_path / "r", "--model, --non-members required")
+
+
+# ---- --run: a recipe run's members and non-members rebuilt from its run_info.json (issue 29, item 8) ---------------
+def test_audit_run_rebuilds_the_members_the_recipe_trained_on(tmp_path, monkeypatch, capsys):
+    """A tiny image recipe run (public part split off with --seed 7, a validation part held out): run_info.json
+    records the split, and `audit --run` rebuilds exactly the rows DPTrainer was given as members, and the held-out
+    rows as non-members."""
+    from hf_dp_repr.audit.inputs import fingerprints
+    from hf_dp_repr.scripts import image_classification as recipe
+    from hf_dp_repr.scripts.run_split import rebuild_members
+
+    given = {}
+
+    class Spy(recipe.DPTrainer):
+        def __init__(self, *args, train_dataset=None, eval_dataset=None, **kwargs):
+            given.update(members=train_dataset, non_members=eval_dataset)
+            super().__init__(*args, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+
+    monkeypatch.setattr(recipe, "DPTrainer", Spy)
+    run = tmp_path / "run"
+    recipe.main(["--output_dir", str(run), "--target_epsilon", "8", "--target_delta", "1e-4", "--seed", "7",
+                 "--public_fraction", "0.3", "--public_epochs", "1", "--validation_fraction", "0.1",
+                 "--max_steps", "1", "--per_device_train_batch_size", "32", "--eval_strategy", "no",
+                 "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"])
+    split = json.loads((run / "run_info.json").read_text())["split"]
+    assert split["public_fraction"] == 0.3 and split["seed"] == 7 and split["dataset_fingerprint"]
+    members, non_members = rebuild_members(str(run))
+    assert fingerprints(members) == fingerprints(given["members"])
+    assert fingerprints(non_members) == fingerprints(given["non_members"])
+    assert members.with_format(None)["labels"] == given["members"].with_format(None)["labels"]  # same order
+    out = tmp_path / "audit"
+    assert main(["audit", "--run", str(run), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_audit.json").read_text())
+    assert report["members"] == report["ledger_n"] == len(given["members"]) and report["claimed_epsilon"] <= 8
+    assert report["non_members"] == len(given["non_members"])
+
+
+def test_audit_run_refuses_a_changed_dataset_and_extra_sets(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    info = {"model_args": {"dataset_name": "digits"}, "split": {
+        "recipe": "image", "public_fraction": 0.3, "seed": 7, "dataset_fingerprint": "0000", "members": 9,
+        "non_members": 1}}
+    (run / "run_info.json").write_text(json.dumps(info))
+    _refused(["audit", "--run", str(run)], tmp_path / "a", r"fingerprint .* but the run split one with fingerprint "
+             r"0000 .*Pass --members and --non-members yourself")
+    _refused(["audit", "--run", str(run), "--members", "digits:train"], tmp_path / "b", "drop --members")
+    (run / "run_info.json").write_text(json.dumps({"model_args": {}}))
+    _refused(["audit", "--run", str(run)], tmp_path / "c", "records no split")

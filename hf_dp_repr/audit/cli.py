@@ -143,7 +143,8 @@ def run_audit(args: argparse.Namespace) -> int:
     missing = [f for f in ("model", "members", "non_members") if getattr(args, f) is None]
     if missing:
         fail(f"{', '.join('--' + f.replace('_', '-') for f in missing)} required (membership inference), or "
-              "`hf-dp-repr audit canaries ...` for the canary audit. Nothing written.")
+              "--run OUTPUT_DIR (a recipe run), or `hf-dp-repr audit canaries ...` for the canary audit. Nothing "
+              "written.")
     claim = read_claim(args.model)
     members = load_audit_dataset(args.members, "--members")
     try:
