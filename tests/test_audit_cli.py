@@ -112,7 +112,7 @@ def test_more_members_than_the_run_trained_on_are_refused(overfit_run, tmp_path)
     trains on the private part only): refused, naming both numbers and the fix."""
     _refused(["audit", "--model", str(overfit_run / "run"), "--members", "digits:train", "--non-members",
               str(overfit_run / "non_members")], tmp_path / "r",
-             r"--members has 1437 rows but the run trained on n = 64 .*split_public_private")
+             r"--members has 1437 rows but the run trained on n = 64 .*hf-dp-repr audit --run OUTPUT_DIR")
 
 
 def test_members_are_checked_against_the_ledger_n_and_unit():
