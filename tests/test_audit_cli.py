@@ -185,3 +185,43 @@ def test_audit_run_refuses_a_changed_dataset_and_extra_sets(tmp_path):
     _refused(["audit", "--run", str(run), "--members", "digits:train"], tmp_path / "b", "drop --members")
     (run / "run_info.json").write_text(json.dumps({"model_args": {}}))
     _refused(["audit", "--run", str(run)], tmp_path / "c", "records no split")
+
+
+@pytest.mark.slow
+def test_audit_run_rebuilds_a_text_recipe_runs_members(tmp_path, monkeypatch):
+    """The text recipe on a local GPT-2 folder and a saved dataset: `audit --run` tokenizes the same training rows
+    with the run's tokenizer (padded for the audit's batches) and audits them."""
+    import datasets
+
+    from hf_dp_repr.scripts import text_classification as recipe
+    from hf_dp_repr.scripts.causal_lm import train_tokenizer
+    from hf_dp_repr.scripts.run_split import rebuild_members
+    from hf_dp_repr.tiny import tiny_gpt2_classifier
+
+    texts = [f"{w} number {i} is here" for i, w in enumerate(["red", "green", "blue", "red green"] * 15)]
+    tok = train_tokenizer(texts, vocab_size=300)
+    tiny_gpt2_classifier(num_labels=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id, pad_token_id=None).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rows = {"sentence": texts, "label": [int("red" in t) for t in texts]}
+    datasets.Dataset.from_dict(rows).train_test_split(test_size=0.25, seed=0).save_to_disk(str(tmp_path / "data"))
+    given = {}
+
+    class Spy(recipe.DPTrainer):
+        def __init__(self, *args, train_dataset=None, **kwargs):
+            given["members"] = train_dataset
+            super().__init__(*args, train_dataset=train_dataset, **kwargs)
+
+    monkeypatch.setattr(recipe, "DPTrainer", Spy)
+    run = tmp_path / "run"
+    recipe.main(["--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
+                 "--output_dir", str(run), "--target_epsilon", "3", "--target_delta", "1e-3",
+                 "--per_device_train_batch_size", "16", "--max_steps", "1", "--save_strategy", "no",
+                 "--eval_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"])
+    members, _ = rebuild_members(str(run))
+    unpadded = [ids[:sum(mask)] for ids, mask in zip(members["input_ids"], members["attention_mask"])]
+    assert unpadded == given["members"]["input_ids"] and members["labels"] == given["members"]["labels"]
+    out = tmp_path / "audit"
+    assert main(["audit", "--run", str(run), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_audit.json").read_text())
+    assert report["members"] == report["ledger_n"] == 45 and report["non_members"] == 15

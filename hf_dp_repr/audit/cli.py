@@ -118,7 +118,7 @@ def check_members(members, claim: dict) -> None:
             f"--members has {count} {what} but the run trained on n = {n} (dataset_size in its {LEDGER_FILE}): at "
             f"least {count - n} of them were never trained on, and the attack would count them as members. Pass the "
             "private training set itself (or part of it): a recipe that pre-trains on a public part of the split "
-            "trains under DP on the rest only; for an image recipe run, `hf-dp-repr audit --run OUTPUT_DIR` "
+            "trains under DP on the rest only; for an image or text recipe run, `hf-dp-repr audit --run OUTPUT_DIR` "
             "rebuilds its members and non-members from its run_info.json.")
 
 

@@ -40,6 +40,8 @@ def rebuild_members(run_dir: str):
                              "pass --model, --members and --non-members instead.")
     if record["recipe"] == "image":
         from .image_classification import audit_sets
+    elif record["recipe"] == "text":
+        from .text_classification import audit_sets
     else:
         raise AuditDataError(f"{path}: recipe {record['recipe']!r} has no membership audit (classification recipes "
                              "only). Pass --members and --non-members instead.")
