@@ -10,6 +10,7 @@
     hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text, sft, dpo)
 
     hf-dp-repr audit --model out/ --members private_split/ --non-members digits:test --out audit/
+    hf-dp-repr audit --run out/ --out audit/   (a recipe run: members and non-members rebuilt from run_info.json)
     hf-dp-repr audit exposure --out audit/ -- --target_epsilon 1 --target_delta 1e-5   (canary exposure, LM)
 
     hf-dp-repr synth --config recipes/configs/synth_stdlib_topics_eps4.yaml   (DP synthetic text)
@@ -182,6 +183,41 @@ def run_train(args: argparse.Namespace) -> int:
     return run_command(recipe, f"hf-dp-repr train {args.task}", args.recipe_args)
 
 
+def add_audit_parser(subparsers) -> None:
+    """`audit` (hf_dp_repr.audit.cli) with `--run OUTPUT_DIR`: the recipe's split is rebuilt by the recipes
+    (hf_dp_repr.scripts.run_split), which the audit stage below them cannot import."""
+    from .audit.cli import add_audit_parser as add_membership_audit
+
+    p = add_membership_audit(subparsers)
+    p.add_argument("--run", metavar="OUTPUT_DIR",
+                   help="a recipe run's output_dir: audits its model on its members (the private training rows) and "
+                   "non-members (its evaluation set), rebuilt from its run_info.json; replaces --model, --members "
+                   "and --non-members")
+    p.set_defaults(func=run_audit)
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    from .audit.cli import run_audit as run_membership_audit
+    from .audit.inputs import fail
+
+    if args.run is not None:
+        given = [f"--{f.replace('_', '-')}" for f in ("model", "members", "non_members") if getattr(args, f)]
+        if given:
+            fail(f"--run rebuilds the model, members and non-members from the run: drop {', '.join(given)}. "
+                 "Nothing written.")
+        import importlib
+
+        from .errors import AuditDataError
+
+        rebuild_members = importlib.import_module("hf_dp_repr.scripts.run_split").rebuild_members  # a peer stage
+        try:
+            args.members, args.non_members = rebuild_members(args.run)
+        except AuditDataError as err:
+            fail(f"{err} Nothing written.")
+        args.model = args.run
+    return run_membership_audit(args)
+
+
 def add_synth_parser(subparsers) -> None:
     # prefix_chars="+": every --flag after `synth` is the recipe's (its --help included), not this parser's
     p = subparsers.add_parser("synth", add_help=False, prefix_chars="+", help=COMMANDS["synth"][0])
@@ -208,7 +244,7 @@ COMMANDS = {
                 "hf_dp_repr.analysis.cli:add_analyze_parser"),
     "audit": ("membership inference against a saved DP run (report beside its ε); `audit canaries`: the one-run "
               "canary audit; `audit exposure`: canary exposure with and without DP",
-              "hf_dp_repr.audit.cli:add_audit_parser"),
+              "hf_dp_repr.cli:add_audit_parser"),
     "synth": ("DP synthetic text (hf_dp_repr.scripts.synth): DP fine-tune a causal LM on labelled text with control "
               "codes, sample N rows per label; `hf-dp-repr synth --help` lists its arguments.",
               "hf_dp_repr.cli:add_synth_parser"),

@@ -112,7 +112,7 @@ def test_more_members_than_the_run_trained_on_are_refused(overfit_run, tmp_path)
     trains on the private part only): refused, naming both numbers and the fix."""
     _refused(["audit", "--model", str(overfit_run / "run"), "--members", "digits:train", "--non-members",
               str(overfit_run / "non_members")], tmp_path / "r",
-             r"--members has 1437 rows but the run trained on n = 64 .*split_public_private")
+             r"--members has 1437 rows but the run trained on n = 64 .*hf-dp-repr audit --run OUTPUT_DIR")
 
 
 def test_members_are_checked_against_the_ledger_n_and_unit():
@@ -136,3 +136,92 @@ def test_members_are_checked_against_the_ledger_n_and_unit():
 
 def test_membership_inference_flags_are_required_without_the_canaries_subcommand(tmp_path):
     _refused(["audit", "--members", "digits:train"], tmp_path / "r", "--model, --non-members required")
+
+
+# ---- --run: a recipe run's members and non-members rebuilt from its run_info.json (issue 29, item 8) ---------------
+def test_audit_run_rebuilds_the_members_the_recipe_trained_on(tmp_path, monkeypatch, capsys):
+    """A tiny image recipe run (public part split off with --seed 7, a validation part held out): run_info.json
+    records the split, and `audit --run` rebuilds exactly the rows DPTrainer was given as members, and the held-out
+    rows as non-members."""
+    from hf_dp_repr.audit.inputs import fingerprints
+    from hf_dp_repr.scripts import image_classification as recipe
+    from hf_dp_repr.scripts.run_split import rebuild_members
+
+    given = {}
+
+    class Spy(recipe.DPTrainer):
+        def __init__(self, *args, train_dataset=None, eval_dataset=None, **kwargs):
+            given.update(members=train_dataset, non_members=eval_dataset)
+            super().__init__(*args, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+
+    monkeypatch.setattr(recipe, "DPTrainer", Spy)
+    run = tmp_path / "run"
+    recipe.main(["--output_dir", str(run), "--target_epsilon", "8", "--target_delta", "1e-4", "--seed", "7",
+                 "--public_fraction", "0.3", "--public_epochs", "1", "--validation_fraction", "0.1",
+                 "--max_steps", "1", "--per_device_train_batch_size", "32", "--eval_strategy", "no",
+                 "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"])
+    split = json.loads((run / "run_info.json").read_text())["split"]
+    assert split["public_fraction"] == 0.3 and split["seed"] == 7 and split["dataset_fingerprint"]
+    members, non_members = rebuild_members(str(run))
+    assert fingerprints(members) == fingerprints(given["members"])
+    assert fingerprints(non_members) == fingerprints(given["non_members"])
+    assert members.with_format(None)["labels"] == given["members"].with_format(None)["labels"]  # same order
+    out = tmp_path / "audit"
+    assert main(["audit", "--run", str(run), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_audit.json").read_text())
+    assert report["members"] == report["ledger_n"] == len(given["members"]) and report["claimed_epsilon"] <= 8
+    assert report["non_members"] == len(given["non_members"])
+
+
+def test_audit_run_refuses_a_changed_dataset_and_extra_sets(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    info = {"model_args": {"dataset_name": "digits"}, "split": {
+        "recipe": "image", "public_fraction": 0.3, "seed": 7, "dataset_fingerprint": "0000", "members": 9,
+        "non_members": 1}}
+    (run / "run_info.json").write_text(json.dumps(info))
+    _refused(["audit", "--run", str(run)], tmp_path / "a", r"fingerprint .* but the run split one with fingerprint "
+             r"0000 .*Pass --members and --non-members yourself")
+    _refused(["audit", "--run", str(run), "--members", "digits:train"], tmp_path / "b", "drop --members")
+    (run / "run_info.json").write_text(json.dumps({"model_args": {}}))
+    _refused(["audit", "--run", str(run)], tmp_path / "c", "records no split")
+
+
+@pytest.mark.slow
+def test_audit_run_rebuilds_a_text_recipe_runs_members(tmp_path, monkeypatch):
+    """The text recipe on a local GPT-2 folder and a saved dataset: `audit --run` tokenizes the same training rows
+    with the run's tokenizer (padded for the audit's batches) and audits them."""
+    import datasets
+
+    from hf_dp_repr.scripts import text_classification as recipe
+    from hf_dp_repr.scripts.causal_lm import train_tokenizer
+    from hf_dp_repr.scripts.run_split import rebuild_members
+    from hf_dp_repr.tiny import tiny_gpt2_classifier
+
+    texts = [f"{w} number {i} is here" for i, w in enumerate(["red", "green", "blue", "red green"] * 15)]
+    tok = train_tokenizer(texts, vocab_size=300)
+    tiny_gpt2_classifier(num_labels=2, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id, pad_token_id=None).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    rows = {"sentence": texts, "label": [int("red" in t) for t in texts]}
+    datasets.Dataset.from_dict(rows).train_test_split(test_size=0.25, seed=0).save_to_disk(str(tmp_path / "data"))
+    given = {}
+
+    class Spy(recipe.DPTrainer):
+        def __init__(self, *args, train_dataset=None, **kwargs):
+            given["members"] = train_dataset
+            super().__init__(*args, train_dataset=train_dataset, **kwargs)
+
+    monkeypatch.setattr(recipe, "DPTrainer", Spy)
+    run = tmp_path / "run"
+    recipe.main(["--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"),
+                 "--output_dir", str(run), "--target_epsilon", "3", "--target_delta", "1e-3",
+                 "--per_device_train_batch_size", "16", "--max_steps", "1", "--save_strategy", "no",
+                 "--eval_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"])
+    members, _ = rebuild_members(str(run))
+    unpadded = [ids[:sum(mask)] for ids, mask in zip(members["input_ids"], members["attention_mask"])]
+    assert unpadded == given["members"]["input_ids"] and members["labels"] == given["members"]["labels"]
+    out = tmp_path / "audit"
+    assert main(["audit", "--run", str(run), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_audit.json").read_text())
+    assert report["members"] == report["ledger_n"] == 45 and report["non_members"] == 15

@@ -148,3 +148,16 @@ def test_the_lora_path_prints_no_is_gradient_checkpointing_future_warning():
         warnings.warn("`is_gradient_checkpointing` is deprecated (from elsewhere: still shown)", FutureWarning)
     shown = [str(w.message) for w in seen if "is_gradient_checkpointing" in str(w.message)]
     assert shown == ["`is_gradient_checkpointing` is deprecated (from elsewhere: still shown)"]
+
+
+def test_a_recipe_refuses_delta_above_one_over_n_before_public_pretraining(tmp_path):
+    """δ = 0.01 ≥ 1/n for the ~1150 private digits: refused by the recipe's checks before the public phase trains
+    or writes anything, naming target_delta, n, the bound and the fix (issue 29, item 9)."""
+    from hf_dp_repr.scripts import image_classification
+
+    with pytest.raises(DPConfigError, match=r"target_delta=0.01 is >= 1/n = .* for n=\d+ training examples.*"
+                                            r"allow_large_delta=True"):
+        image_classification.main(["--output_dir", str(tmp_path / "out"), "--target_epsilon", "1",
+                                   "--target_delta", "0.01", "--public_fraction", "0.2", "--max_steps", "2",
+                                   "--report_to", "none", "--disable_tqdm", "true"])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

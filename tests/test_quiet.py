@@ -27,14 +27,14 @@ def test_a_demo_sized_run_prints_no_noise_but_keeps_warnings_that_ask_for_action
         quiet = [str(w.message) for w in seen]
         warned_logs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         seen.clear()
-        _run(tmp_path / "delta", "--target_delta", "0.01")  # 0.01 ≥ 1/n for the ~1150 private digits
+        _run(tmp_path / "delta", "--target_delta", "0.01", "--allow_large_delta", "true")  # ≥ 1/n: ~1150 digits
         loud = [str(w.message) for w in seen]
     printed = capfd.readouterr()
     assert 0 < metrics["epsilon"] <= 1
     for text in NOISE:
         assert not [m for m in quiet + warned_logs if text in m], text
         assert text not in printed.out + printed.err, text
-    assert any("is >= 1/n" in m and "Use δ < 1/n" in m for m in loud), loud
+    assert any("is >= 1/n" in m and "Allowed by allow_large_delta=True" in m for m in loud), loud
     assert any("bundled accuracy.py" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
 

@@ -12,6 +12,7 @@ import torch
 from datasets import Dataset
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
+from hf_dp_repr.errors import DPConfigError
 from hf_dp_repr.hub.card import write_model_card
 from hf_dp_repr.privacy.units import UnitPoissonBatchSampler, describe_unit, sum_per_unit, unit_rows
 from hf_dp_repr.tiny import tiny_vit
@@ -147,7 +148,7 @@ def test_unit_ids_of_a_torch_formatted_dataset_are_values_not_tensors(digits):
 def test_delta_is_checked_against_the_number_of_units(digits, tmp_path):
     args = DPTrainingArguments(output_dir=str(tmp_path / "d"), target_epsilon=1.0, target_delta=0.2,
                                privacy_unit="user_id", report_to="none")
-    with pytest.warns(UserWarning, match=r"n=6 training units"):
+    with pytest.raises(DPConfigError, match=r"n=6 training units"):
         DPTrainer(model=tiny_vit(num_labels=10, seed=0), args=args, train_dataset=user_dataset(digits))
 
 

@@ -1,6 +1,7 @@
 """What DP-SGD cannot train privately is refused before anything is trained or written, naming the argument or
 module and the fix (privacy/validation.py; DPTrainer's init): a dataset without a length, BatchNorm, ViT embedding
-dropout, a batch loss (compute_loss_func), packed rows; δ above 1/n is warned."""
+dropout, a batch loss (compute_loss_func), packed rows, δ ≥ 1/n (unless allow_large_delta=True: then warned, and
+stated on the card)."""
 
 import copy
 
@@ -10,7 +11,7 @@ from datasets import Dataset, IterableDataset
 from transformers import DataCollatorWithFlattening
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.errors import NotPrivatizableError
+from hf_dp_repr.errors import DPConfigError, NotPrivatizableError
 from hf_dp_repr.privacy.validation import check_one_row_per_example
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import dp_args
@@ -36,11 +37,33 @@ def test_dataset_without_length_is_refused(tmp_path):
         DPTrainer(model=tiny_vit(), args=_args(tmp_path / "never"), train_dataset=NoLength())
 
 
-def test_delta_above_one_over_n_warns_with_n(tmp_path):
+def test_delta_above_one_over_n_is_refused_naming_n_the_bound_and_the_fix(tmp_path):
     small = Dataset.from_dict({"pixel_values": torch.zeros(50, 1, 8, 8).numpy(), "labels": [0] * 50})
-    args = DPTrainingArguments(output_dir=str(tmp_path / "o"), target_epsilon=1.0, target_delta=0.05, report_to="none")
-    with pytest.warns(UserWarning, match="n=50"):
+    args = DPTrainingArguments(output_dir=str(tmp_path / "o"), target_epsilon=1.0, target_delta=0.02, report_to="none")
+    with pytest.raises(DPConfigError, match=r"target_delta=0.02 is >= 1/n = 0.02 for n=50 training examples.*"
+                                            r"target_delta=2.0e-03, or set allow_large_delta=True"):
         DPTrainer(model=tiny_vit(), args=args, train_dataset=small)
+    assert not (tmp_path / "o").exists()
+    args.allow_large_delta = True
+    with pytest.warns(UserWarning, match=r"n=50 .*Allowed by allow_large_delta=True"):
+        DPTrainer(model=tiny_vit(), args=args, train_dataset=small)
+
+
+def test_card_says_in_plain_words_when_delta_was_allowed_above_one_over_n():
+    from hf_dp_repr.hub.card import render_model_card
+    from hf_dp_repr.privacy.accounting import compute_epsilon
+
+    def card(delta):
+        led = dict(accountant="pld", target_delta=delta, per_sample_max_grad_norm=1.0, clipping="flat",
+                   dataset_size=719, target_epsilon=4.0, neighboring="replace_one", history=[[1.0, 0.1, 20]],
+                   phases=[dict(name="train", noise_multiplier=1.0, sample_rate=0.1, steps=20, expected_batch_size=72)],
+                   steps_done=20, planned_steps=20)
+        led["epsilon"] = compute_epsilon([(1.0, 0.1, 20)], delta, "pld", "replace_one")
+        return render_model_card(led, scope="all").text
+
+    weak = card(0.01)
+    assert "**Weak δ:** δ = 0.01 is at least 1/n = 1/719" in weak and "allow_large_delta=True" in weak
+    assert "Weak δ" not in card(1e-4)
 
 
 def test_batchnorm_is_refused_with_its_path(tmp_path):

@@ -118,9 +118,8 @@ def check_members(members, claim: dict) -> None:
             f"--members has {count} {what} but the run trained on n = {n} (dataset_size in its {LEDGER_FILE}): at "
             f"least {count - n} of them were never trained on, and the attack would count them as members. Pass the "
             "private training set itself (or part of it): a recipe that pre-trains on a public part of the split "
-            "trains under DP on the rest only, e.g. the image recipe on digits:train, whose private part is "
-            "hf_dp_repr.scripts.utils.split_public_private(train, public_fraction, seed)[1] (save_to_disk it and "
-            "pass the folder).")
+            "trains under DP on the rest only; for an image or text recipe run, `hf-dp-repr audit --run OUTPUT_DIR` "
+            "rebuilds its members and non-members from its run_info.json.")
 
 
 def check_sets(members, non_members, num_labels: int) -> None:
@@ -143,7 +142,8 @@ def run_audit(args: argparse.Namespace) -> int:
     missing = [f for f in ("model", "members", "non_members") if getattr(args, f) is None]
     if missing:
         fail(f"{', '.join('--' + f.replace('_', '-') for f in missing)} required (membership inference), or "
-              "`hf-dp-repr audit canaries ...` for the canary audit. Nothing written.")
+              "--run OUTPUT_DIR (a recipe run), or `hf-dp-repr audit canaries ...` for the canary audit. Nothing "
+              "written.")
     claim = read_claim(args.model)
     members = load_audit_dataset(args.members, "--members")
     try:

@@ -23,11 +23,13 @@ def fail(message: str):
     raise SystemExit(f"hf-dp-repr audit: {message}")
 
 
-def load_audit_dataset(spec: str, flag: str):
-    """`digits:train|test` or `DIR[:split]` (save_to_disk) → a Dataset with `labels`."""
+def load_audit_dataset(spec, flag: str):
+    """`digits:train|test` or `DIR[:split]` (save_to_disk) → a Dataset with `labels`; a Dataset is checked as is."""
     import datasets
 
-    if spec.startswith("digits:"):
+    if isinstance(spec, datasets.Dataset):
+        data, spec = spec, f"(rebuilt, {len(spec)} rows)"
+    elif spec.startswith("digits:"):
         from ..data import load_digits_dataset
 
         split = spec.split(":", 1)[1]

@@ -58,6 +58,10 @@ def template_values(led: dict, info: dict, scope: str, results: dict | None, law
     if private and led.get("randomness") == "seeded":
         summary += (" **Not private as released:** the noise was seeded with `noise_seed`, and anyone who knows "
                     "the seed can remove it.")
+    if private and led["target_delta"] >= 1 / n:
+        summary += (f" **Weak δ:** δ = {led['target_delta']:g} is at least 1/n = 1/{n} for these n private "
+                    f"{'examples' if led.get('privacy_unit', ROW) == ROW else 'units'}, so this guarantee allows "
+                    "releasing a few of them outright; the run was allowed it explicitly (`allow_large_delta=True`).")
     name = info.get("model_name")
     headline = claim["epsilon"] if claim else eps
     if private:

@@ -48,9 +48,10 @@ def check_model_is_privatizable(model: nn.Module) -> None:
         )
 
 
-def check_train_dataset(dataset, target_delta: float, count_units: Callable[[], int | None] | None = None) -> None:
-    """A training set DP-SGD can sample and account for: map-style, non-empty; warns when δ ≥ 1/n (n: rows, or
-    the number of units of privacy that `count_units()` reads from the map-style dataset)."""
+def check_train_dataset(dataset, target_delta: float, count_units: Callable[[], int | None] | None = None,
+                        allow_large_delta: bool = False) -> None:
+    """A training set DP-SGD can sample and account for: map-style, non-empty, and δ < 1/n (n: rows, or the number
+    of units of privacy that `count_units()` reads from the map-style dataset) unless `allow_large_delta`."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise DataError(
             "DPTrainer: train_dataset must have a length (a map-style dataset): Poisson sampling and the privacy "
@@ -60,14 +61,20 @@ def check_train_dataset(dataset, target_delta: float, count_units: Callable[[], 
         raise DataError("DPTrainer: train_dataset is empty.")
     num_units = count_units() if count_units is not None else None
     n = len(dataset) if num_units is None else num_units
-    if target_delta >= 1 / n:
-        warnings.warn(
-            f"DPTrainer: target_delta={target_delta:g} is >= 1/n for n={n} training "
-            f"{'examples' if num_units is None else 'units'}; such a δ allows "
-            f"releasing a few {'examples' if num_units is None else 'units'} outright. Use δ < 1/n, e.g. "
-            f"{1 / (10 * n):.1e}.",
-            stacklevel=3,
-        )
+    check_delta(target_delta, n, "examples" if num_units is None else "units", allow_large_delta)
+
+
+def check_delta(target_delta: float, n: int, what: str = "examples", allow_large_delta: bool = False) -> None:
+    """Refuse δ ≥ 1/n for n training `what` (examples or units): such a δ allows releasing a few of them outright.
+    `allow_large_delta` turns the refusal into a warning (the model card then states it)."""
+    if target_delta < 1 / n:
+        return
+    message = (f"DPTrainer: target_delta={target_delta:g} is >= 1/n = {1 / n:.3g} for n={n} training {what}; such "
+               f"a δ allows releasing a few {what} outright.")
+    if not allow_large_delta:
+        raise errors.DPConfigError(f"{message} Use δ < 1/n, e.g. target_delta={1 / (10 * n):.1e}, or set "
+                                   "allow_large_delta=True to train anyway (the model card then says so).")
+    warnings.warn(f"{message} Allowed by allow_large_delta=True; the model card states it.", stacklevel=4)
 
 
 def check_one_row_per_example(batch: dict, n_examples: int) -> None:

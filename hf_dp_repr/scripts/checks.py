@@ -22,7 +22,7 @@ def check_before_work(model, train, training_args):
     and the privacy plan (`plan_run`: logical batch ≤ n, σ calibrated for the target ε) on the `train` (private) set.
 
     Returns the plan (a frozen `PrivacyPlan`). Writes nothing."""
-    from hf_dp_repr.privacy.validation import check_model_is_privatizable
+    from hf_dp_repr.privacy.validation import check_delta, check_model_is_privatizable
     from hf_dp_repr.scope.phases import phase_scopes
     from hf_dp_repr.training.plan import plan_run
 
@@ -53,6 +53,8 @@ def check_before_work(model, train, training_args):
         from hf_dp_repr.privacy.units import column_values, unit_rows
 
         n = unit_rows(column_values(train, args.privacy_unit))[1]
+    if not args.allow_large_delta:  # allowed: DPTrainer warns once, later
+        check_delta(args.target_delta, n, "examples" if args.privacy_unit == "row" else "units")
     plan = plan_run(args, n)
     if plan.planned_steps < 1:
         raise RecipeArgumentError(f"the schedule plans {plan.planned_steps} DP steps; raise --num_train_epochs or "

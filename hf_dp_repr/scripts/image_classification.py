@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     targs.remove_unused_columns = False  # the collator below picks the columns
 
     data, image_col, label_col = load_image_data(margs, targs.seed)
+    source = data["train"]._fingerprint  # the training split as selected, before preprocessing and splitting
     model_name = margs.model_name_or_path
     num_labels, id2label = checks.class_names(
         data["train"], label_col, margs.num_labels, others=[data["eval"]],
@@ -110,20 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     collate = _collate
 
     public_fraction = margs.resolved_public_fraction(ru.is_tiny(model_name))
-    train, public = data["train"], None
-    if public_fraction > 0:
-        public, train = ru.split_public_private(train, public_fraction, targs.seed)
-        public = shift_images(public, margs.public_shift)
-        if margs.public_classes:
-            keep = set(margs.public_classes)
-            public = public.select([i for i, y in enumerate(public.with_format(None)["labels"]) if y in keep])
-            if not len(public):
-                raise RecipeArgumentError(f"--public_classes {margs.public_classes}: no public example has these "
-                                          "labels (label ids, 0..num_labels-1)")
-    if not 0 <= margs.validation_fraction < 1:
-        raise RecipeArgumentError(f"--validation_fraction must be in [0, 1), got {margs.validation_fraction}")
-    if margs.validation_fraction:
-        data["eval"], train = ru.split_public_private(train, margs.validation_fraction, targs.seed)
+    train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
@@ -168,7 +156,45 @@ def main(argv: list[str] | None = None) -> dict:
                         data_collator=collate, compute_metrics=ru.accuracy_metrics(), callbacks=callbacks,
                         processing_class=processor, model_card_info=card_info)  # saved with the model
     result = ru.train(trainer, margs.overwrite_output_dir)
-    return ru.finish_run(trainer, result, margs, push=push)
+    split = ru.split_record("image", source, public_fraction, targs.seed, len(train), len(data["eval"]))
+    return ru.finish_run(trainer, result, margs, push=push, split=split)
+
+
+def split_private(data: dict, margs: ImageArguments, public_fraction: float, seed: int):
+    """(private training set, public set or None, evaluation set) from the recipe's {"train", "eval"} data: the
+    public part split off with `seed` (shifted, restricted to `--public_classes`), then `--validation_fraction` of the
+    private rows held out as the evaluation set. `hf-dp-repr audit --run` rebuilds the members with it."""
+    train, public, evals = data["train"], None, data["eval"]
+    if public_fraction > 0:
+        public, train = ru.split_public_private(train, public_fraction, seed)
+        public = shift_images(public, margs.public_shift)
+        if margs.public_classes:
+            keep = set(margs.public_classes)
+            public = public.select([i for i, y in enumerate(public.with_format(None)["labels"]) if y in keep])
+            if not len(public):
+                raise RecipeArgumentError(f"--public_classes {margs.public_classes}: no public example has these "
+                                          "labels (label ids, 0..num_labels-1)")
+    if not 0 <= margs.validation_fraction < 1:
+        raise RecipeArgumentError(f"--validation_fraction must be in [0, 1), got {margs.validation_fraction}")
+    if margs.validation_fraction:
+        evals, train = ru.split_public_private(train, margs.validation_fraction, seed)
+    return train, public, evals
+
+
+def audit_sets(run_dir: str, record: dict, model_args: dict):
+    """(members, non-members) of the recipe run in `run_dir`: its private training set and evaluation set, rebuilt
+    from `run_info.json` (`record`: its split record; `model_args`: the recipe's arguments)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    margs = ru.arguments(ImageArguments, model_args)
+    data, image_col, label_col = load_image_data(margs, record["seed"])
+    ru.check_source(data["train"]._fingerprint, record, margs.dataset_name)
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(run_dir))  # the preprocessing reads the config only
+    data, _ = _with_pixel_values(data, margs, model, image_col, label_col)
+    train, _, evals = split_private(data, margs, record["public_fraction"], record["seed"])
+    return train, evals
 
 
 # ---- data ----------------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
 
     train, evals, text_col, label_col = load_text_data(margs)
+    source = train._fingerprint  # the training split as selected, before tokenization
     path = resolve_model_path(margs.model_name_or_path)
     num_labels, id2label = checks.class_names(train, label_col, margs.num_labels, others=[evals],
                                               model_id2label=checks.model_config_labels(path))
@@ -89,12 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     if model.config.pad_token_id is None:  # needed to find the last non-padding token that GPT-2 classifies at
         model.config.pad_token_id = tokenizer.pad_token_id
 
-    def tokenize(batch):
-        out = tokenizer(batch[text_col], truncation=True, max_length=margs.max_length)
-        out["labels"] = batch[label_col]
-        return out
-
-    train, evals = (ds.map(tokenize, batched=True, remove_columns=ds.column_names) for ds in (train, evals))
+    train, evals = (tokenized(ds, tokenizer, text_col, label_col, margs.max_length) for ds in (train, evals))
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     card_info = ModelCardInfo(
@@ -112,7 +108,33 @@ def main(argv: list[str] | None = None) -> dict:
                         compute_metrics=ru.accuracy_metrics(),
                         model_card_info=card_info)
     result = ru.train(trainer, margs.overwrite_output_dir)
-    return ru.finish_run(trainer, result, margs, push=push)
+    split = ru.split_record("text", source, 0.0, targs.seed, len(train), len(evals))  # no public part of the data
+    return ru.finish_run(trainer, result, margs, push=push, split=split)
+
+
+def tokenized(ds, tokenizer, text_col: str, label_col: str, max_length: int):
+    """`input_ids`, `attention_mask` (unpadded) and `labels` of each row of `ds`."""
+    def tokenize(batch):
+        out = tokenizer(batch[text_col], truncation=True, max_length=max_length)
+        out["labels"] = batch[label_col]
+        return out
+
+    return ds.map(tokenize, batched=True, remove_columns=ds.column_names)
+
+
+def audit_sets(run_dir: str, record: dict, model_args: dict):
+    """(members, non-members) of the recipe run in `run_dir`: its training and evaluation sets, rebuilt from
+    `run_info.json` and tokenized by the run's saved tokenizer, padded to one length (the audit batches them)."""
+    from transformers import AutoTokenizer
+
+    margs = ru.arguments(TextArguments, model_args)
+    train, evals, text_col, label_col = load_text_data(margs)
+    ru.check_source(train._fingerprint, record, margs.dataset_name)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    sets = [tokenized(ds, tokenizer, text_col, label_col, margs.max_length) for ds in (train, evals)]
+    longest = max(len(ids) for ds in sets for ids in ds["input_ids"])
+    return tuple(ds.map(lambda b: tokenizer.pad(b, padding="max_length", max_length=longest), batched=True)
+                 for ds in sets)
 
 
 def load_text_data(margs: TextArguments):

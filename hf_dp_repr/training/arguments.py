@@ -60,7 +60,14 @@ class DPTrainingArguments(TrainingArguments):
     )
     target_delta: float = field(
         default=1e-5,
-        metadata={"help": "Privacy parameter δ, in (0, 1); keep it well below 1/n for n training examples."},
+        metadata={"help": "Privacy parameter δ, in (0, 1); below 1/n for n training examples (or units): a larger "
+                  "δ is refused unless allow_large_delta."},
+    )
+    allow_large_delta: bool = field(
+        default=False,
+        metadata={"help": "Train with δ ≥ 1/n (n: training examples, or units): such a δ allows releasing a few "
+                  "examples outright, so it is refused by default; the model card then states it in plain words. "
+                  "Only to compare with a paper that used δ = 1/n."},
     )
     noise_multiplier: float | None = field(
         default=None,

@@ -103,7 +103,8 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
         self.engine: DPEngine | None = None  # the run's DP machinery, made when training starts
         self._unit_rows: tuple | None = None  # (each row's unit index, number of units) with a privacy_unit column
         if train_dataset is not None:
-            check_train_dataset(train_dataset, args.target_delta, lambda: self._read_units(train_dataset, args))
+            check_train_dataset(train_dataset, args.target_delta, lambda: self._read_units(train_dataset, args),
+                                args.allow_large_delta)
         if peft_config is not None:
             if model is None:
                 raise ArgumentError("DPTrainer: peft_config needs a model to wrap.")
