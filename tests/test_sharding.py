@@ -14,7 +14,6 @@ resume, and the 1-process and 2-process runs equal with noise off."""
 import copy
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from hf_dp_repr import DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError, ProcessGroupError
 from hf_dp_repr.training.hf_compat import HIDDEN_READS
+from utils import launch_two_workers
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 V2 = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}  # copied before use: transformers edits fsdp_config in place
@@ -152,18 +152,7 @@ def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, env.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(TESTS, "sharded_worker.py"), str(out)]
-    # A session of its own: on a timeout (a lost collective) the launcher AND its workers are killed.
-    launch = subprocess.Popen(cmd, cwd=TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-    try:
-        log, _ = launch.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        log, _ = launch.communicate()
-        pytest.fail("the 2-process launch did not finish in 300 s (a collective lost?):\n" + log[-5000:])
-    assert launch.returncode == 0, log[-8000:]
+    launch_two_workers("sharded_worker.py", out, env, timeout=300)
     with open(out / "results.json") as f:
         return json.load(f), out
 

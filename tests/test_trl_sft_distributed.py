@@ -6,13 +6,14 @@ recipe under `accelerate launch --fsdp`: DP LoRA SFT over users, sharded, then g
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from utils import launch_two_workers
 
 pytestmark = pytest.mark.slow  # several processes
 
@@ -23,17 +24,7 @@ TESTS = Path(__file__).resolve().parent
 def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl_two")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{TESTS.parent}:{TESTS}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(TESTS / "trl_sft_worker.py"), str(out)]
-    launch = subprocess.Popen(cmd, cwd=TESTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-    try:
-        log, _ = launch.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        log, _ = launch.communicate()
-        pytest.fail("the 2-process launch did not finish in 400 s:\n" + log[-5000:])
-    assert launch.returncode == 0, log[-8000:]
+    launch_two_workers("trl_sft_worker.py", out, env, timeout=400)
     return {name: torch.load(out / f"{name}.pt") for name in ("ddp", "fsdp_users", "ddp_noisy")}
 
 

@@ -4,6 +4,10 @@ with the common test defaults, the exact ε of full-batch steps, and datasets of
 sum. The Hub is a local server: hf_dp_repr/hub/local_server.py and the `hub` fixture (conftest.py)."""
 
 import math
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -164,3 +168,21 @@ def brute_force_unit_sum(dataset, clip):
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
         total = [t + g * min(1.0, clip / (norm + 1e-6)) for t, g in zip(total, grads)]
     return dict(zip(names, total))
+
+
+def launch_two_workers(worker: str, out, env: dict, timeout: int) -> None:
+    """`torch.distributed.run` 2 processes of tests/`worker` (argument: `out`), in a session of its own: on a timeout
+    (a lost collective) the launcher AND its workers are killed and the test fails with the log's end."""
+    tests = Path(__file__).resolve().parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tests / worker), str(out)]
+    launch = subprocess.Popen(cmd, cwd=tests, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        log, _ = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        log, _ = launch.communicate()
+        raise AssertionError(f"the 2-process launch did not finish in {timeout} s (a collective lost?):\n"
+                             + log[-5000:]) from None
+    assert launch.returncode == 0, log[-8000:]
