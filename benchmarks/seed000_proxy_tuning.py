@@ -54,13 +54,17 @@ CACHE = os.environ.get("HF_DP_REPR_PROXY_CACHE",
 
 
 # ---- 1. public-model inference, once ------------------------------------------------------------------------------
-def compute_features(path: str = CACHE, batch_size: int = 64) -> None:
-    """DINOv2-S features of every image of the .npz (train and test splits), saved to `path`.
+def compute_features(path: str = CACHE, batch_size: int = 32, max_val: int | None = None) -> None:
+    """DINOv2-S features of the proxy's images, saved to `path`.
 
     Per image, in eval mode without autograd: the final layer-normed [CLS] token (384) and the mean of the patch
     tokens (384), i.e. the two halves of what `Dinov2ForImageClassification`'s head reads. Preprocessing is the
     recipe's (`image_processor_for`: resize to 224 px, ImageNet mean/std). No statistic of any set of examples is
-    computed: each feature depends on its own image and the public backbone only."""
+    computed: each feature depends on its own image and the public backbone only.
+
+    Resumable on a busy machine: each batch is saved under `path`.parts/ as soon as it is done and skipped when the
+    pass runs again. Rows go in the order private, tune, test, val; `max_val` keeps only that many "val" rows (a
+    fixed random subset: `load_features` then scores validation on them)."""
     from transformers import AutoConfig, AutoModel
 
     from hf_dp_repr.data.images import describe, image_processor_for
@@ -69,24 +73,40 @@ def compute_features(path: str = CACHE, batch_size: int = 64) -> None:
     processor, how = image_processor_for(MODEL, config, image_size=224)
     model = AutoModel.from_pretrained(MODEL, dtype=torch.float32).eval()
     arrays = np.load(NPZ)
-    out = {}
-    start = time.perf_counter()
-    for split in ("train", "test"):
-        x = arrays[f"x_{split}"]
-        cls, patch = [], []
-        for i in range(0, len(x), batch_size):
-            pixels = processor(list(x[i:i + batch_size]), return_tensors="pt")["pixel_values"]
+    rows = splits(arrays["y_train"])
+    if max_val is not None:
+        rows["val"] = np.sort(np.random.default_rng(2).permutation(rows["val"])[:max_val])
+    jobs = [("train", rows[k]) for k in ("private", "tune")] + [("test", np.arange(len(arrays["y_test"])))] \
+        + [("train", rows["val"])]
+    parts = path + ".parts"
+    os.makedirs(parts, exist_ok=True)
+    start, done, total = time.perf_counter(), 0, sum(len(r) for _, r in jobs)
+    for split, index in jobs:
+        for i in range(0, len(index), batch_size):
+            batch = index[i:i + batch_size]
+            part = os.path.join(parts, f"{split}_{batch[0]:05d}_{len(batch)}.npz")
+            done += len(batch)
+            if os.path.exists(part):
+                continue
+            pixels = processor(list(arrays[f"x_{split}"][batch]), return_tensors="pt")["pixel_values"]
             with torch.inference_mode():
                 hidden = model(pixel_values=pixels).last_hidden_state  # after the final layernorm
-            cls.append(hidden[:, 0].numpy())
-            patch.append(hidden[:, 1:].mean(1).numpy())
-            print(f"{split}: {min(i + batch_size, len(x))}/{len(x)}  {time.perf_counter() - start:.0f} s", flush=True)
-        out[f"cls_{split}"] = np.concatenate(cls).astype(np.float32)
-        out[f"patch_{split}"] = np.concatenate(patch).astype(np.float32)
-        out[f"y_{split}"] = arrays[f"y_{split}"].astype(np.int64)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            np.savez(part + ".tmp.npz", rows=batch, cls=hidden[:, 0].numpy(), patch=hidden[:, 1:].mean(1).numpy())
+            os.replace(part + ".tmp.npz", part)
+            print(f"{done}/{total}  {time.perf_counter() - start:.0f} s", flush=True)
+    out = {}
+    for split in ("train", "test"):
+        n = len(arrays[f"y_{split}"])
+        cls, patch = np.full((n, 384), np.nan, np.float32), np.full((n, 384), np.nan, np.float32)
+        have = np.zeros(n, bool)
+        for name in sorted(os.listdir(parts)):
+            if name.startswith(split + "_") and name.endswith(".npz") and ".tmp" not in name:
+                f = np.load(os.path.join(parts, name))
+                cls[f["rows"]], patch[f["rows"]], have[f["rows"]] = f["cls"], f["patch"], True
+        out.update({f"cls_{split}": cls, f"patch_{split}": patch, f"have_{split}": have,
+                    f"y_{split}": arrays[f"y_{split}"].astype(np.int64)})
     np.savez(path + ".tmp.npz", preprocessing=np.array(describe(processor)), model=np.array(os.path.abspath(MODEL)),
-             seconds=np.array(time.perf_counter() - start), **out)
+             **out)
     os.replace(path + ".tmp.npz", path)
     print(f"saved {path} ({how}; {time.perf_counter() - start:.0f} s)")
 
@@ -124,6 +144,11 @@ def load_features(path: str = CACHE) -> dict:
     f = np.load(path)
     train = np.concatenate([f["cls_train"], f["patch_train"]], 1)
     rows = splits(f["y_train"])
+    have = f["have_train"] if "have_train" in f else np.ones(len(train), bool)
+    complete_test = "have_test" not in f or f["have_test"].all()
+    if not (have[rows["private"]].all() and have[rows["tune"]].all() and complete_test):
+        raise SystemExit(f"{path}: the feature pass is incomplete; run `--stage features` again (it resumes)")
+    rows["val"] = rows["val"][have[rows["val"]]]  # `--max_val`: the subset that was computed
     out = {k: (train[v], f["y_train"][v]) for k, v in rows.items()}
     out["test"] = (np.concatenate([f["cls_test"], f["patch_test"]], 1), f["y_test"])
     return out
@@ -396,10 +421,11 @@ def main() -> None:
                              "Dinov2ForImageClassification head reads, so the result can go into its config)")
     parser.add_argument("--norms", nargs="+", choices=list(NORMS), default=list(NORMS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max_val", type=int, help="features: compute only this many of the 3085 'val' rows")
     parser.add_argument("--output_dir", default="out/seed000-proxy-tuning")
     args = parser.parse_args()
     if args.stage == "features" or not os.path.exists(args.cache):
-        compute_features(args.cache)
+        compute_features(args.cache, max_val=args.max_val)
     if args.stage == "features":
         return
     data = load_features(args.cache)
