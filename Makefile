@@ -17,8 +17,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,docs]"
 	touch $(STAMP)
 
+# Whole files on 2 pytest-xdist workers (module fixtures, such as one 2-process launch serving several tests, stay
+# shared), the files with slow tests first (tests/conftest.py orders them): CI's machine has 2 cores.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The inner loop: the suite without the tests marked slow.
 test-fast: $(STAMP)

@@ -8,10 +8,20 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import collections  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from utils import make_token_dataset  # noqa: E402  (helpers shared by test files: tests/utils.py)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with tests marked slow first, those with the most of them before the others (the order within a file
+    and among the rest kept): `make test` hands whole files to 2 pytest-xdist workers in this order, so the long files
+    start at once and the short ones fill in, instead of a long file picked up last keeping one worker busy alone."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 @pytest.fixture(autouse=True)
