@@ -390,17 +390,16 @@ LORA = dict(r=2, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_w
 RUNS = {
     "ddp": (EXACT, "copy"),
     "fsdp_copy": ({**EXACT, **FSDP}, "copy"),
-    "fsdp_precompute": ({**EXACT, **FSDP, "precompute_ref_log_probs": True}, "copy"),
-    "fsdp_users": ({**EXACT, **FSDP, "privacy_unit": "user_id", "per_device_train_batch_size": 2}, "copy"),
+    "fsdp_users_precomputed": ({**EXACT, **FSDP, "privacy_unit": "user_id", "per_device_train_batch_size": 2,
+                                "precompute_ref_log_probs": True}, "copy"),
     "fsdp_lora": ({**EXACT, **FSDP, "per_sample_max_grad_norm": 1e3}, "lora"),
-    "fsdp_noisy": ({**EXACT, **FSDP, "noise_multiplier": 300.0, "per_sample_max_grad_norm": 1.0,
-                    "learning_rate": 1e-3}, "copy"),
     "ddp_sparse": (SPARSE, "copy"),
-    "fsdp_sparse": ({**SPARSE, **FSDP}, "given"),
+    # sharded, sparse and noisy: σ = 4 (noise std σC/L = 1 per coordinate per step, the clipped sums ~1e-3)
+    "fsdp_noisy": ({**SPARSE, **FSDP, "noise_multiplier": 4.0, "learning_rate": 1e-4}, "given"),
 }
 
 
-USERS = 4  # fsdp_users: pair i is user i % 4's (3 pairs each); q = 1 over users
+USERS = 4  # fsdp_users_precomputed: pair i is user i % 4's (3 pairs each); q = 1 over users
 
 
 def user_pairs():
@@ -470,19 +469,18 @@ def every_pair_gradient(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "fsdp_copy", "fsdp_precompute", "fsdp_users"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp_copy", "fsdp_users_precomputed"])
 def test_two_processes_clip_each_pair_once(name, two_processes, every_pair_gradient):
     """σ = 0, q = 1, C below every pair's gradient norm: on 2 processes, DDP or sharded (FSDP2) with the reference a
-    sharded frozen copy or precomputed from the sharded policy (a given ref_model: fsdp_sparse), L × the update is the
-    brute force's Σ C·g/|g|: each pair moves it by exactly C (its two rows clipped apart would not). With users as
-    units (fsdp_users) each user's pairs are summed and clipped together: Σ_u C·g_u/|g_u|."""
+    sharded frozen copy (a given ref_model: fsdp_noisy), L × the update is the brute force's Σ C·g/|g|: each pair
+    moves it by exactly C (its two rows clipped apart would not). Sharded with users as units and the reference
+    precomputed from the sharded policy, each user's pairs are summed and clipped together: Σ_u C·g_u/|g_u|."""
     got = two_processes[name]
     assert (got["world_size"], got["sample_rate"], got["steps"], got["sharded"]) == (2, 1.0, 1, "fsdp" in name)
-    assert got["reference"] == {"ddp": "whole", "fsdp_precompute": None}.get(name, "sharded")
-    if name == "fsdp_precompute":
-        assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(got["columns"])
+    assert got["reference"] == {"ddp": "whole", "fsdp_copy": "sharded"}.get(name)
     grads = every_pair_gradient
-    if name == "fsdp_users":
+    if name == "fsdp_users_precomputed":
+        assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(got["columns"])
         assert (got["unit"], got["dataset_size"], got["expected_batch"]) == ("user_id", USERS, USERS)
         grads = [{n: sum(grads[i][n] for i in range(u, len(grads), USERS)) for n in grads[0]} for u in range(USERS)]
     update = {n: d * got["expected_batch"] for n, d in got["delta"].items()}
@@ -513,23 +511,24 @@ def test_two_processes_sharded_lora_reference_is_the_adapter_disabled_base(two_p
 
 @pytest.mark.slow
 def test_two_processes_sharded_noise_once_per_step_and_epsilon_is_dp_accountings(two_processes):
-    """σ = 300, C = 1, L = 12 pairs over 2 sharded processes: the step's noise has std σC/L per coordinate (noise
-    added once per logical batch, each coordinate by the one process that holds it), and ε is dp_accounting's."""
+    """σ = 4, C = 1, L = 4 of 12 pairs over 2 sharded processes, 4 steps: the noise has std σC/L per coordinate and
+    step (added once per logical batch, each coordinate by the one process that holds it: √2 × if each process
+    noised all), and ε is dp_accounting's for q = 1/3."""
     got = two_processes["fsdp_noisy"]
-    sigma, L = 300.0, got["expected_batch"]
+    sigma, L, steps = 4.0, got["expected_batch"], got["steps"]
     deltas = torch.cat([d.flatten() for d in got["delta"].values()]).double()
-    assert L == 12 and deltas.numel() > 15_000
-    assert deltas.std().item() / (sigma * 1.0 / L) == pytest.approx(1.0, abs=0.03)
-    truth = dp_accounting_epsilon(sigma, 1.0, 1, got["delta_privacy"], got["neighboring"])
-    assert truth <= got["epsilon"] == pytest.approx(truth, rel=2e-3, abs=1e-4)  # (the ledger's PLD grid: 1e-3)
+    assert (L, steps) == (4, 4) and deltas.numel() > 15_000
+    assert deltas.std().item() / (sigma * 1.0 / L * steps ** 0.5) == pytest.approx(1.0, abs=0.03)
+    truth = dp_accounting_epsilon(sigma, got["sample_rate"], steps, got["delta_privacy"], got["neighboring"])
+    assert truth <= got["epsilon"] <= truth * 1.002
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp_sparse", "fsdp_sparse"])
+@pytest.mark.parametrize("name", ["ddp_sparse", "fsdp_noisy"])
 def test_two_processes_run_steps_with_empty_micro_batches(name, two_processes):
     got = two_processes[name]
     assert (got["steps"], got["world_size"]) == (4, 2) and got["sample_rate"] == pytest.approx(4 / 12)
-    assert got["reference"] == ("sharded" if name == "fsdp_sparse" else "whole")
+    assert got["reference"] == ("sharded" if name == "fsdp_noisy" else "whole")
 
 
 if __name__ == "__main__":

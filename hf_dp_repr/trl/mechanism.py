@@ -13,6 +13,9 @@ In training, `SomeTrainer.compute_loss` is never called: DPTrainer's `training_s
   the loss needs more than `outputs` and `labels`, e.g. DPO's chosen and rejected sequences of one pair);
 - `examples_in_batch(inputs)`: how many examples the micro-batch holds (default: the rows of `labels`).
 
+The trainer's own metrics of the training batches (TRL's `_metrics["train"]`: token accuracy, entropy, DPO's rewards,
+...) are computed on private examples outside DP-SGD: never logged (`DPMechanism.log`); evaluation's are.
+
 The arguments are `dp_config_class(SomeConfig)`: a dataclass that is both `DPTrainingArguments` and `SomeConfig`
 (HfArgumentParser, YAML and the trainer's own CLI flags work), with the trainer's defaults kept except where DP-SGD
 needs another (`DP_DEFAULTS`) and `bf16` on only where the device supports it.
