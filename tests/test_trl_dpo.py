@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from hf_dp_repr.tiny import tiny_llama
 from utils import CaptureUpdate, relative_error
@@ -64,9 +65,10 @@ def dpo_args(tmp_path, **kw):
 
 def one_step(model, tokenizer, tmp_path, data=None, trainer_kw=None, **kw):
     """The update of one DP step (p.grad after it) and the pairs of its logical batch."""
-    capture = CaptureUpdate()
+    capture, trainer_kw = CaptureUpdate(), dict(trainer_kw or {})
     trainer = DPDPOTrainer(model=model, args=dpo_args(tmp_path, **kw), train_dataset=data or pairs(),
-                           processing_class=tokenizer, callbacks=[capture], **(trainer_kw or {}))
+                           processing_class=tokenizer, callbacks=[capture, *trainer_kw.pop("callbacks", [])],
+                           **trainer_kw)
     trainer.train()
     sampler = trainer.engine.sampler
     sampler.set_epoch(0)
@@ -290,20 +292,41 @@ def test_losses_that_couple_pairs_are_refused_before_any_work(options, tmp_path)
     assert not (tmp_path / "run").exists()
 
 
-def test_sharded_dpo_is_refused_before_any_work(tokenizer, tmp_path):
-    """TRL copies the LoRA adapter into its reference adapter after the model is sharded (measured: a copy_ between a
-    tensor and a DTensor fails); refused, naming the fix."""
+class LogsSeen(TrainerCallback):
+    """What a tracker would receive (`on_log`)."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def test_training_logs_carry_epsilon_and_no_dpo_metrics_of_private_pairs(tokenizer, tmp_path):
+    """TRL's rewards/logps/logits/entropy/accuracy of the training pairs are computed outside DP-SGD: neither the
+    logs a tracker receives nor log_history hold them; the loss and epsilon are logged."""
+    seen = LogsSeen()
+    _, _, trainer = one_step(tiny_llama(vocab_size=len(tokenizer), seed=0), tokenizer, tmp_path, noise_multiplier=1.0,
+                             per_sample_max_grad_norm=1.0, logging_steps=1, trainer_kw={"callbacks": [seen]})
+    for logs in (trainer.state.log_history, seen.logs):
+        assert any("loss" in log and "epsilon" in log for log in logs), logs
+        leaked = [k for log in logs for k in log
+                  if k.split("/")[0] in ("rewards", "logps", "logits") or k in ("entropy", "mean_token_accuracy")]
+        assert not leaked, leaked
+
+
+def test_sync_ref_model_is_refused_on_a_sharded_run_before_any_work(tokenizer, tmp_path):
     from hf_dp_repr.errors import UnsupportedError
 
-    args = dpo_args(tmp_path, noise_multiplier=1.0)
+    args = dpo_args(tmp_path, noise_multiplier=1.0, sync_ref_model=True)
     args.fsdp, args.fsdp_config = True, {"fsdp_version": 2}  # (built in one process, the arguments refuse fsdp)
-    with pytest.raises(UnsupportedError, match="sharded DPO .* run without --fsdp"):
+    with pytest.raises(UnsupportedError, match="sync_ref_model=True .* Fix: sync_ref_model=False"):
         DPDPOTrainer(model=tiny_llama(vocab_size=len(tokenizer)), args=args, train_dataset=pairs(),
                      processing_class=tokenizer)
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", ["_compute_loss", "_precompute_ref_logps", "precompute_ref_logps"])
+@pytest.mark.parametrize("name", ["_compute_loss", "_precompute_ref_logps", "precompute_ref_logps", "ref_model"])
 def test_the_private_trl_members_it_relies_on_are_still_there(name):
     import inspect
 
@@ -351,51 +374,162 @@ def test_the_dpo_recipe_runs_after_the_sft_recipe_on_the_same_users(tmp_path):
         assert rejected[0]["content"] in answers | {"I do not know."}  # never another user's text
 
 
-# ---- two processes (accelerate launch, gloo): this file is also the worker --------------------------------------
-def ddp_worker(out: str) -> None:
-    """Rank 0 saves L × the σ = 0 update of one step with q = 1 (6 pairs per process), then runs 4 steps at q = 1/3
-    (one pair per micro-batch expected: some micro-batches are empty; TRL's metric gathers must not hang)."""
+# ---- two processes (gloo), DDP and FSDP2, ONE launch: this file is also the worker ---------------------------------
+FSDP = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
+# σ = 0, q = 1 (6 pairs per process, L = 12), C far below every pair's gradient norm: the update is Σ C·g/|g| / L
+EXACT = dict(noise_multiplier=0.0, per_sample_max_grad_norm=1e-3, learning_rate=1.0, per_device_train_batch_size=6,
+             gradient_accumulation_steps=1)
+# q = 1/3, one pair per micro-batch expected: some micro-batches are empty (TRL's metric gathers, and a sharded
+# reference's forward, must not hang)
+SPARSE = dict(noise_multiplier=1.0, per_sample_max_grad_norm=1.0, max_steps=4, per_device_train_batch_size=1,
+              gradient_accumulation_steps=2)
+# a fresh adapter initialised non-zero (so the initial policy is not the base), no clipping: the reference matters
+LORA = dict(r=2, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+# run → (DPDPOConfig fields, the reference: "copy" (none given: a frozen copy, or with precompute the policy before
+# training), "given" (ref_model=, the initial weights), "lora" (a fresh adapter: the base, the adapter disabled))
+RUNS = {
+    "ddp": (EXACT, "copy"),
+    "fsdp_copy": ({**EXACT, **FSDP}, "copy"),
+    "fsdp_users_precomputed": ({**EXACT, **FSDP, "privacy_unit": "user_id", "per_device_train_batch_size": 2,
+                                "precompute_ref_log_probs": True}, "copy"),
+    "fsdp_lora": ({**EXACT, **FSDP, "per_sample_max_grad_norm": 1e3}, "lora"),
+    "ddp_sparse": (SPARSE, "copy"),
+    # sharded, sparse and noisy: σ = 4 (noise std σC/L = 1 per coordinate per step, the clipped sums ~1e-3)
+    "fsdp_noisy": ({**SPARSE, **FSDP, "noise_multiplier": 4.0, "learning_rate": 1e-4}, "given"),
+}
+
+
+USERS = 4  # fsdp_users_precomputed: pair i is user i % 4's (3 pairs each); q = 1 over users
+
+
+def user_pairs():
+    return pairs().add_column("user_id", [i % USERS for i in range(12)])
+
+
+def full_weights(model) -> dict:
+    """Every parameter whole (a collective for a sharded model: every process calls it)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def worker(out: str) -> None:
+    """Each run of RUNS on every process; rank 0 saves (before − after) / lr and what the test reads."""
+    from hf_dp_repr.privacy.sharding import is_sharded
+
+    tokenizer = char_tokenizer()
+    for name, (fields, reference) in RUNS.items():
+        kw = {}
+        if reference == "given":
+            kw["ref_model"] = tiny_llama(vocab_size=len(tokenizer), seed=0)
+        if reference == "lora":
+            from peft import LoraConfig
+
+            kw["peft_config"] = LoraConfig(**LORA)
+        args = dpo_args(Path(out) / name, **fields)
+        data = user_pairs() if "privacy_unit" in fields else pairs()
+        trainer = DPDPOTrainer(model=tiny_llama(vocab_size=len(tokenizer), seed=0), args=args, train_dataset=data,
+                               processing_class=tokenizer, **kw)
+        before = full_weights(trainer.model)
+        trainer.train()
+        after = full_weights(trainer.model)
+        if trainer.is_world_process_zero():
+            led, ref = trainer.ledger, trainer.ref_model
+            torch.save({"before": before, "delta": {n: (before[n] - after[n]) / args.learning_rate for n in after},
+                        "trained": [n for n, p in trainer.model.named_parameters() if p.requires_grad],
+                        "world_size": led.plan.world_size, "sample_rate": led.plan.phases[0].sample_rate,
+                        "expected_batch": led.expected_batch_size, "steps": led.steps_done,
+                        "unit": led.plan.privacy_unit, "dataset_size": led.plan.dataset_size,
+                        "epsilon": trainer.epsilon(), "delta_privacy": led.plan.target_delta,
+                        "neighboring": led.plan.neighboring, "sharded": trainer.sharded,
+                        "reference": None if ref is None else ("sharded" if is_sharded(ref) else "whole"),
+                        "adapters": list(getattr(trainer.model, "peft_config", {})),
+                        "columns": trainer.train_dataset.column_names}, Path(out) / f"{name}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    from utils import launch_two_workers
+
+    out = tmp_path_factory.mktemp("dpo_two")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": f"{tests.parent}:{tests}"}
+    launch_two_workers(Path(__file__).name, out, env, timeout=500)
+    return {name: torch.load(out / f"{name}.pt") for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def every_pair_gradient(tmp_path_factory):
+    """Every pair's DPO-loss gradient alone, in float64 (the policy and the reference: the initial weights)."""
     tokenizer = char_tokenizer()
     model = tiny_llama(vocab_size=len(tokenizer), seed=0)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = dpo_args(Path(out).parent, noise_multiplier=0.0, per_sample_max_grad_norm=1e-3, learning_rate=1.0,
-                    per_device_train_batch_size=6, gradient_accumulation_steps=1)
-    trainer = DPDPOTrainer(model=model, args=args, train_dataset=pairs(), processing_class=tokenizer)
-    trainer.train()
-    sparse = dpo_args(Path(out).parent / "sparse", noise_multiplier=1.0, per_sample_max_grad_norm=1.0, max_steps=4,
-                      per_device_train_batch_size=1, gradient_accumulation_steps=2)
-    again = DPDPOTrainer(model=tiny_llama(vocab_size=len(tokenizer), seed=0), args=sparse, train_dataset=pairs(),
-                         processing_class=tokenizer)
-    again.train()
-    if trainer.is_world_process_zero():
-        led = trainer.ledger
-        update = {n: (before[n] - p.detach()) * led.expected_batch_size for n, p in trainer.model.named_parameters()}
-        torch.save({"update": update, "world_size": led.plan.world_size, "sample_rate": led.plan.phases[0].sample_rate,
-                    "sparse_steps": again.ledger.steps_done, "sparse_rate": again.ledger.plan.phases[0].sample_rate},
-                   out)
+    policy64, reference64 = copy.deepcopy(model).double(), copy.deepcopy(model).double().eval()
+    probe = tokenized(model, tokenizer, tmp_path_factory.mktemp("dpo_want"))
+    return pair_gradients(policy64, reference64, probe, range(len(probe)))
 
 
 @pytest.mark.slow
-def test_two_processes_clip_each_pair_once(tokenizer, tmp_path):
-    import subprocess
+@pytest.mark.parametrize("name", ["ddp", "fsdp_copy", "fsdp_users_precomputed"])
+def test_two_processes_clip_each_pair_once(name, two_processes, every_pair_gradient):
+    """σ = 0, q = 1, C below every pair's gradient norm: on 2 processes, DDP or sharded (FSDP2) with the reference a
+    sharded frozen copy (a given ref_model: fsdp_noisy), L × the update is the brute force's Σ C·g/|g|: each pair
+    moves it by exactly C (its two rows clipped apart would not). Sharded with users as units and the reference
+    precomputed from the sharded policy, each user's pairs are summed and clipped together: Σ_u C·g_u/|g_u|."""
+    got = two_processes[name]
+    assert (got["world_size"], got["sample_rate"], got["steps"], got["sharded"]) == (2, 1.0, 1, "fsdp" in name)
+    assert got["reference"] == {"ddp": "whole", "fsdp_copy": "sharded"}.get(name)
+    grads = every_pair_gradient
+    if name == "fsdp_users_precomputed":
+        assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(got["columns"])
+        assert (got["unit"], got["dataset_size"], got["expected_batch"]) == ("user_id", USERS, USERS)
+        grads = [{n: sum(grads[i][n] for i in range(u, len(grads), USERS)) for n in grads[0]} for u in range(USERS)]
+    update = {n: d * got["expected_batch"] for n, d in got["delta"].items()}
+    assert relative_error(update, clipped_sum(grads, EXACT["per_sample_max_grad_norm"])) < 1e-3
 
-    from utils import ACCEL_CONFIG, free_port
 
-    out = tmp_path / "update.pt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-           "--main_process_port", str(free_port()), __file__, str(out)]
-    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    saved = torch.load(out)
-    assert (saved["world_size"], saved["sample_rate"], saved["sparse_steps"]) == (2, 1.0, 4)
-    assert saved["sparse_rate"] == pytest.approx(4 / 12)
-    model = tiny_llama(vocab_size=len(tokenizer), seed=0)
-    policy64, reference64 = copy.deepcopy(model).double(), copy.deepcopy(model).double().eval()
-    probe = tokenized(model, tokenizer, tmp_path)
-    want = clipped_sum(pair_gradients(policy64, reference64, probe, range(len(probe))), 1e-3)
-    assert relative_error(saved["update"], want) < 1e-3
+@pytest.mark.slow
+def test_two_processes_sharded_lora_reference_is_the_adapter_disabled_base(two_processes, tokenizer, tmp_path):
+    """FSDP2 with a fresh non-zero LoRA adapter: no "ref" copy of the adapter is made (TRL's copy onto a sharded model
+    fails); the σ = 0 update is the brute force whose reference is the base alone, the policy the adapter as it was."""
+    from peft import LoraConfig, get_peft_model
+
+    got = two_processes["fsdp_lora"]
+    assert got["sharded"] and got["reference"] is None and got["adapters"] == ["default"]
+    assert got["trained"] and all("lora_" in n for n in got["trained"])
+    base = tiny_llama(vocab_size=len(tokenizer), seed=0)
+    base64 = copy.deepcopy(base).double().eval()
+    policy64 = get_peft_model(copy.deepcopy(base64), LoraConfig(**LORA)).double()
+    with torch.no_grad():
+        for n, p in policy64.named_parameters():
+            p.copy_(got["before"][n].double())
+    dataset = tokenized(base, tokenizer, tmp_path)
+    grads = pair_gradients(policy64, base64, dataset, range(len(dataset)))
+    want = clipped_sum(grads, 1e3)
+    update = {n: got["delta"][n] * got["expected_batch"] for n in want}
+    assert relative_error(update, want) < 1e-3
+
+
+@pytest.mark.slow
+def test_two_processes_sharded_noise_once_per_step_and_epsilon_is_dp_accountings(two_processes):
+    """σ = 4, C = 1, L = 4 of 12 pairs over 2 sharded processes, 4 steps: the noise has std σC/L per coordinate and
+    step (added once per logical batch, each coordinate by the one process that holds it: √2 × if each process
+    noised all), and ε is dp_accounting's for q = 1/3."""
+    got = two_processes["fsdp_noisy"]
+    sigma, L, steps = 4.0, got["expected_batch"], got["steps"]
+    deltas = torch.cat([d.flatten() for d in got["delta"].values()]).double()
+    assert (L, steps) == (4, 4) and deltas.numel() > 15_000
+    assert deltas.std().item() / (sigma * 1.0 / L * steps ** 0.5) == pytest.approx(1.0, abs=0.03)
+    truth = dp_accounting_epsilon(sigma, got["sample_rate"], steps, got["delta_privacy"], got["neighboring"])
+    assert truth <= got["epsilon"] <= truth * 1.002
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp_sparse", "fsdp_noisy"])
+def test_two_processes_run_steps_with_empty_micro_batches(name, two_processes):
+    got = two_processes[name]
+    assert (got["steps"], got["world_size"]) == (4, 2) and got["sample_rate"] == pytest.approx(4 / 12)
+    assert got["reference"] == ("sharded" if name == "fsdp_noisy" else "whole")
 
 
 if __name__ == "__main__":
-    ddp_worker(sys.argv[1])
+    worker(sys.argv[1])

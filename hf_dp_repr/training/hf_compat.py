@@ -134,7 +134,9 @@ TRL_PRIVATE = (
     ("SFTTrainer", "_save_checkpoint", "_save_checkpoint", "self.create_model_card(model_name=model_name)",
      "DPMechanism keeps TRL's checkpoint card call from replacing the DP card's model_card_info"),
     ("SFTTrainer", "_metrics", "log", "self._metrics[mode]",
-     "DPSFTTrainer clears the training metrics before SFTTrainer.log reads them"),
+     "DPMechanism.log clears the training metrics (of private examples) before SFTTrainer.log reads them"),
+    ("DPOTrainer", "_metrics", "log", "self._metrics[mode]",
+     "DPMechanism.log clears the training metrics (of private pairs) before DPOTrainer.log reads them"),
 )
 
 # Opacus' private helper the "ddp" reduction draws its noise with: (module, name, parameters).

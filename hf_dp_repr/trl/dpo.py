@@ -14,8 +14,9 @@ auxiliary losses are refused before any work.
 
 The reference model's log-probabilities carry no gradient: they are computed under `no_grad` before the policy's
 forward (from `ref_model`; by default a frozen copy of the model as passed, so nothing is loaded by name; with a
-fresh LoRA adapter, the base with the adapter disabled). With `precompute_ref_log_probs=True` they are computed
-once, in memory, and never written to a cache file (TRL writes one next to the dataset's cache).
+fresh LoRA adapter, the base with the adapter disabled; `trl.reference`). With `precompute_ref_log_probs=True` they
+are computed once, in memory, and never written to a cache file (TRL writes one next to the dataset's cache). Runs
+on several processes (DDP) and sharded (FSDP2), a reference model sharded like the policy.
 
 Example (conversational pairs, three DP steps of a tiny model; offline, seconds on a CPU):
     >>> from datasets import Dataset
@@ -41,12 +42,12 @@ Example (conversational pairs, three DP steps of a tiny model; offline, seconds 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 
 import torch
 from trl import DPOConfig, DPOTrainer
+from trl.trainer.callbacks import SyncRefModelCallback
 
 from ..errors import DPConfigError, NotPrivatizableError, UnsupportedError
 from ..hub.card import ModelCardInfo
@@ -55,9 +56,9 @@ from ..privacy.probe import ParameterUses, check_collator_keeps_examples_apart
 from ..privacy.sampler import UNIT_KEY
 from ..privacy.sharding import is_sharded
 from ..privacy.units import ROW
-from ..scope.lora import has_peft_adapters
 from ..training.sharding import sharding_request
-from .mechanism import dp_config_class, dp_trainer_class
+from .mechanism import dp_config_class, dp_trainer_class, load_model
+from .reference import ReferenceStandIn, choose_reference, kept_requires_grad, prepare_reference
 
 PAIR_KEYS = ("input_ids", "attention_mask", "completion_mask")  # TRL's per-sequence tensors: (2·pairs, T)
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -74,6 +75,8 @@ TRL_PRIVATE = {
     "_compute_loss": (("self", "model", "inputs", "return_outputs"), "self._compute_loss(", "compute_loss"),
     "_precompute_ref_logps": (("self", "dataset", "name", "batch_size"), "self._precompute_ref_logps(", "__init__"),
     "precompute_ref_logps": ((), "if self.precompute_ref_logps:", "_compute_loss"),  # then it reads the batch's
+    # given a ref_model (the ReferenceStandIn), TRL makes no "ref" copy of a LoRA adapter (trl.reference)
+    "ref_model": ((), "elif is_peft_model(model) and ref_model is None:", "__init__"),
 }
 PAIR_EXAMPLE = ("one preference pair (prompt, chosen, rejected); its chosen and rejected sequences are clipped "
                 "together, as one unit")
@@ -179,54 +182,37 @@ def module_head(model) -> None:
     base.forward = forward
 
 
-def _frozen_copy(model):
-    ref = copy.deepcopy(model)
-    ref.requires_grad_(False)
-    return ref.eval()
-
-
-@contextlib.contextmanager
-def _kept_requires_grad(model):
-    """PEFT's disable_adapter / set_adapter reset the adapters' requires_grad flags; the clipper owns them."""
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        yield
-    finally:
-        for p, flag in flags:
-            if p.requires_grad != flag:
-                p.requires_grad_(flag)
-
-
 class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
     """`trl.DPOTrainer` under DP-SGD (see the module docstring): the same arguments, with `args` a `DPDPOConfig`,
     and `model_card_info`. A pair is one example (or, with `privacy_unit`, all pairs of a unit are one unit).
 
-    Logged metrics: TRL's `rewards/*`, `logps/*`, `logits/*`, `entropy` and `mean_token_accuracy` are computed on the
-    private pairs of this process's micro-batches, like the training loss: they are not covered by the DP guarantee
-    (which covers the weights). `epsilon` is the privacy spent."""
+    Logged in training: the loss (computed on private pairs, as DPTrainer logs it) and `epsilon`, the privacy spent.
+    TRL's own metrics of the training pairs (`rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accuracy`)
+    are computed on private pairs outside DP-SGD: they are never logged (nor kept in `log_history`, nor sent to a
+    tracker). Evaluation logs them for the eval set, like the eval loss.
+
+    Sharded (FSDP2: `fsdp=True, fsdp_config={"fsdp_version": 2}` under `accelerate launch`) as DPTrainer shards; the
+    reference is sharded the same way, or is the sharded policy itself (`trl.reference`)."""
 
     batch_has_labels = False  # the loss reads input_ids, attention_mask, completion_mask
     compute_loss_handled = True  # its compute_loss is evaluation's; training uses example_losses (training.overrides)
 
     def __init__(self, model=None, ref_model=None, args: DPDPOConfig | None = None, train_dataset=None,
                  peft_config=None, **kwargs):
-        if isinstance(args, DPDPOConfig) and (sharding_request(args) is not None or (
-                model is not None and not isinstance(model, str) and is_sharded(model))):
-            # measured: TRL copies the LoRA adapter into a "ref" adapter after DPTrainer sharded the model (a copy_
-            # between a tensor and a DTensor fails at init); sharded DPO is untested, so refused
-            raise UnsupportedError("DPDPOTrainer: sharded DPO (FSDP2) is not supported yet. Fix: run without --fsdp; "
-                                   "several processes without sharding (DDP) are supported.")
-        precompute = getattr(args, "precompute_ref_log_probs", False)
-        if ref_model is None and peft_config is None and model is not None and not isinstance(model, str) \
-                and not has_peft_adapters(model) and not precompute:
-            # the initial policy, as TRL means it, without loading the model again by name (offline, local models)
-            ref_model = _frozen_copy(model)
+        self._reference, trl_ref = None, ref_model  # the reference (None: the policy) and what TRL's init gets
+        if isinstance(args, DPDPOConfig) and model is not None:
+            model = load_model(model, args)  # (by name: loaded once, copied as the reference)
+            sharded = sharding_request(args) is not None or is_sharded(model)
+            if sharded and args.sync_ref_model:
+                raise UnsupportedError("DPDPOTrainer: sync_ref_model=True is not tested on a sharded run (it mixes "
+                                       "the sharded policy into the sharded reference). Fix: sync_ref_model=False, "
+                                       "or run without fsdp.")
+            self._reference, trl_builds = choose_reference(model, ref_model, peft_config, args, sharded)
+            trl_ref = None if trl_builds else ReferenceStandIn(model.config)
         self._pair_counter = itertools.count()
-        super().__init__(model=model, ref_model=ref_model, args=args, train_dataset=train_dataset,
+        super().__init__(model=model, ref_model=trl_ref, args=args, train_dataset=train_dataset,
                          peft_config=peft_config, **kwargs)
-        if peft_config is not None and "ref" in getattr(self.model, "peft_config", {}):
-            # TRL copies a PeftModel's adapter as the reference; a fresh adapter's reference is the base itself
-            self.model.delete_adapter("ref")
+        self._install_reference()
         if self.aux_loss_enabled:
             raise UnsupportedError("DPDPOTrainer: the MoE load-balancing loss is computed over the whole batch's "
                                    "router logits, which couples the pairs. Fix: router_aux_loss_coef=0.")
@@ -237,7 +223,19 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
             info, training_example=info.training_example or PAIR_EXAMPLE,
             loss_tokens=info.loss_tokens or loss_tokens(self.args))
 
-    # ---- the reference, in memory --------------------------------------------------------------------------
+    # ---- the reference ------------------------------------------------------------------------------------------
+    def _install_reference(self) -> None:
+        """Replace TRL's `ReferenceStandIn` by the reference chosen at init (`trl.reference`), made ready (and sharded
+        in a sharded run); TRL's sync_ref_model callback then syncs into it."""
+        if not isinstance(self.ref_model, ReferenceStandIn):
+            return
+        if self._reference is not None:
+            prepare_reference(self._reference, self.args, self.accelerator.device)
+        self.ref_model = self._reference
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, SyncRefModelCallback):
+                callback.ref_model = self.ref_model
+
     def _precompute_ref_logps(self, dataset, name, batch_size):
         """The reference log-probabilities of every pair, computed once and added to the dataset in memory: never
         written to a cache file beside the dataset (which TRL does), outside the run's output folder."""
@@ -245,13 +243,14 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
 
         if not isinstance(dataset, Dataset):
             raise UnsupportedError("DPDPOTrainer: precompute_ref_log_probs needs a map-style datasets.Dataset.")
+        self._install_reference()  # (called by TRL's init, before it returns)
         collate = self.data_collator.collator if isinstance(self.data_collator, PairCollator) else self.data_collator
         model = self.ref_model or self.model
         chosen, rejected = [], []
         for start in range(0, len(dataset), batch_size):
             batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
             batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-            with _kept_requires_grad(self.model):
+            with kept_requires_grad(self.model):
                 c, r = self.compute_ref_log_probs(model, batch)
             chosen += c.float().cpu().tolist()
             rejected += r.float().cpu().tolist()
@@ -261,7 +260,7 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
         """`inputs` (TRL's layout) with the reference's log-probabilities, computed without gradient if absent."""
         if REF_KEYS[0] in inputs:
             return inputs
-        with torch.no_grad(), _kept_requires_grad(self.model):
+        with torch.no_grad(), kept_requires_grad(self.model):
             chosen, rejected = self.compute_ref_log_probs(self.ref_model or self.model, inputs)
         return {**inputs, REF_KEYS[0]: chosen, REF_KEYS[1]: rejected}
 

@@ -13,6 +13,9 @@ In training, `SomeTrainer.compute_loss` is never called: DPTrainer's `training_s
   the loss needs more than `outputs` and `labels`, e.g. DPO's chosen and rejected sequences of one pair);
 - `examples_in_batch(inputs)`: how many examples the micro-batch holds (default: the rows of `labels`).
 
+The trainer's own metrics of the training batches (TRL's `_metrics["train"]`: token accuracy, entropy, DPO's rewards,
+...) are computed on private examples outside DP-SGD: never logged (`DPMechanism.log`); evaluation's are.
+
 The arguments are `dp_config_class(SomeConfig)`: a dataclass that is both `DPTrainingArguments` and `SomeConfig`
 (HfArgumentParser, YAML and the trainer's own CLI flags work), with the trainer's defaults kept except where DP-SGD
 needs another (`DP_DEFAULTS`) and `bf16` on only where the device supports it.
@@ -168,6 +171,16 @@ def dp_trainer_class(trainer_cls: type, *, config_class: type | None = None,
     return type(name or f"DP{trainer_cls.__name__}", (DPMechanism, DPTrainer, trainer_cls), body)
 
 
+def load_model(model, args):
+    """`model` given by name loaded as TRL loads it (`args.model_init_kwargs`), before DPTrainer checks and shards
+    it; a model instance unchanged."""
+    if not isinstance(model, str):
+        return model
+    from trl.trainer.utils import create_model_from_path
+
+    return create_model_from_path(model, **dict(getattr(args, "model_init_kwargs", None) or {}))
+
+
 def _resolve(path: str):
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -185,12 +198,17 @@ class DPMechanism:
             raise ArgumentTypeError(
                 f"{type(self).__name__}: `args` must be a {config.__name__} (both the trainer's config and "
                 f"DPTrainingArguments: it holds the privacy budget), got {type(args).__name__}.")
-        if isinstance(model, str):
-            from trl.trainer.utils import create_model_from_path
-
-            model = create_model_from_path(model, **dict(getattr(args, "model_init_kwargs", None) or {}))
         self._saving_checkpoint = False
-        super().__init__(model=model, args=args, **kwargs)
+        super().__init__(model=load_model(model, args), args=args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """TRL trainers' own metrics of the training batches (`_metrics["train"]`: token accuracy, entropy, DPO's
+        rewards and log-probabilities, ...) are computed on private examples outside DP-SGD: never logged (nor in
+        `log_history`, nor sent to trackers). Evaluation's are logged like the eval loss; ε is logged."""
+        metrics = getattr(self, "_metrics", None)
+        if self.model.training and isinstance(metrics, dict) and "train" in metrics:
+            metrics["train"].clear()
+        super().log(logs, *args, **kwargs)
 
     def _send_telemetry(self) -> None:
         """TRL pings the Hub about each run (trainer, model type, device); nothing about a private run leaves here."""

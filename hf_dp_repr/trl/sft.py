@@ -132,11 +132,6 @@ class DPSFTTrainer(_Base):
         token_loss = torch.where(mask, -logp * logp.detach().exp(), torch.zeros_like(logp))
         return token_loss.sum(1) / mask.sum(1).clamp(min=1)
 
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self.model.training:  # SFTTrainer's metrics of the private training batches: never logged
-            self._metrics["train"].clear()
-        super().log(logs, *args, **kwargs)
-
 
 def _check_no_router_loss(model, args) -> None:
     """A mixture-of-experts load-balancing loss is computed over the whole batch's tokens: refuse it."""
