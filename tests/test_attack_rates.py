@@ -123,6 +123,20 @@ def test_attack_target_calibrates_sigma_to_the_closed_form(neighboring, sensitiv
     assert plan.planned_epsilon() == compute_epsilon([(sigma, 1.0, 1)], 1e-4, "pld", neighboring)
 
 
+def test_an_epsilon_split_set_after_the_checks_is_refused_with_an_attack_target():
+    """sweep_budget_split sets lp_epsilon_fraction on checked arguments: the plan refuses it (there is no ε to split)
+    instead of ignoring it."""
+    from hf_dp_repr.errors import DPConfigError
+    from hf_dp_repr.training.plan import plan_run
+    from utils import dp_args
+
+    args = dp_args(pathlib.Path("/tmp/attack-target"), target_epsilon=None, target_attack_tpr_at_fpr="0.1@0.01",
+                   per_device_train_batch_size=50, max_steps=4, lp_steps=0.5)
+    args.lp_epsilon_fraction = 0.3
+    with pytest.raises(DPConfigError, match="lp_epsilon_fraction=0.3 splits target_epsilon"):
+        plan_run(args, dataset_size=100)
+
+
 def test_attack_target_composes_over_the_plan():
     """Several subsampled steps: the whole planned history meets the target (within 0.1 % of TPR − FPR below it)."""
     from hf_dp_repr.training.plan import plan_run

@@ -70,7 +70,10 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
         q1, q2, ft_steps = lp_batch / n, batch / n, planned - lp_steps
         if args.noise_multiplier is not None:
             sigma1 = sigma2 = args.noise_multiplier
-        elif attack is not None:  # one σ for both phases (lp_epsilon_fraction needs target_epsilon)
+        elif attack is not None:  # one σ for both phases: there is no ε to split
+            if args.lp_epsilon_fraction is not None:  # set after the arguments were checked (e.g. a sweep)
+                raise DPConfigError(f"DPTrainer: lp_epsilon_fraction={args.lp_epsilon_fraction} splits target_epsilon, "
+                                    "but σ is calibrated for target_attack_tpr_at_fpr: drop lp_epsilon_fraction.")
             sigma1 = sigma2 = calibrate_for_attack(AttackTarget.parse(attack), [(0.0, q1, lp_steps)], q2, ft_steps,
                                                    rel, same_sigma=True)
         elif args.lp_epsilon_fraction is None:
