@@ -124,6 +124,8 @@ class PrivacyPlan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["phases"] = [asdict(p) for p in self.phases]
+        if self.target_attack_tpr_at_fpr is None:  # written only when asked: other ledger files stay as they were
+            del d["target_attack_tpr_at_fpr"]
         return d
 
     @classmethod
