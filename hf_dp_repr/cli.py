@@ -2,6 +2,7 @@
 
     hf-dp-repr privacy --sample-rate 0.01 --noise-multiplier 1.1 --steps 10000 --delta 1e-5
     hf-dp-repr privacy --sample-rate 0.01 --target-epsilon 8 --steps 10000 --delta 1e-5 --accountant rdp
+    hf-dp-repr privacy --sample-rate 0.01 --target-attack-tpr-at-fpr 0.05@0.01 --steps 1000 --delta 1e-5
 
     hf-dp-repr analyze --model out/ --dataset digits --out report/
 
@@ -16,9 +17,10 @@
     hf-dp-repr synth --config recipes/configs/synth_stdlib_topics_eps4.yaml   (DP synthetic text)
 
 `privacy` plans a DP-SGD run (like TF Privacy's compute_dp_sgd_privacy): it prints JSON with the ε that
-`steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon`, and what
-that means for an attacker (`attack_bounds`): the largest true-positive rate of any membership test at
-false-positive rates 0.1 %, 1 % and 10 %, and the largest advantage TPR − FPR, for the --neighboring relation.
+`steps` Poisson-sampled steps spend, or the σ (`noise_multiplier`) calibrated to spend `--target-epsilon` (or to
+meet `--target-attack-tpr-at-fpr`), and what that means for an attacker (`attack_bounds`): the largest true-positive
+rate of any membership test at false-positive rates 0.1 %, 1 % and 10 %, and the largest advantage TPR − FPR, for
+the --neighboring relation.
 
 `push` uploads a finished run (a DPTrainer output_dir) through the same allow-list as every other push: weights,
 tokenizer / processor files, eval metrics, representation laws, `privacy_ledger.json` and the DP card, refreshed
@@ -57,6 +59,16 @@ def _target_epsilon(text: str) -> float:
     return value
 
 
+def _attack_target(text: str):
+    from .errors import DPConfigError
+    from .privacy.attack_rates import AttackTarget
+
+    try:
+        return AttackTarget.parse(text, name="--target-attack-tpr-at-fpr")
+    except DPConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _sample_rate(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -83,6 +95,9 @@ def add_privacy_parser(subparsers) -> None:
     noise = p.add_mutually_exclusive_group(required=True)
     noise.add_argument("--noise-multiplier", type=float, help="σ: noise std / clipping norm.")
     noise.add_argument("--target-epsilon", type=_target_epsilon, help="ε to reach: σ is calibrated.")
+    noise.add_argument("--target-attack-tpr-at-fpr", type=_attack_target, metavar="TPR@FPR",
+                       help="σ is calibrated so that no membership test reaches more than this TPR at this FPR "
+                            "(e.g. 0.05@0.01), as DPTrainingArguments.target_attack_tpr_at_fpr.")
     p.add_argument("--accountant", default="pld", help=f"one of {tuple(ACCOUNTANTS)}: dp_accounting's pld (default, "
                    "as DPTrainingArguments), Opacus' prv or rdp, or one added by `register_accountant` ('gdp' is "
                    "refused: it under-reports ε).")
@@ -94,7 +109,7 @@ def add_privacy_parser(subparsers) -> None:
 
 def run_privacy(args: argparse.Namespace) -> int:
     from .privacy.accountants import ACCOUNTANTS, REFUSED, accountants_for, default_neighboring
-    from .privacy.accounting import calibrate_noise_multiplier, compute_epsilon
+    from .privacy.accounting import calibrate_for_attack, calibrate_noise_multiplier, compute_epsilon
     from .privacy.attack_rates import attack_rates
 
     if args.steps <= 0:
@@ -118,6 +133,13 @@ def run_privacy(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SystemExit(f"hf-dp-repr privacy: {e}") from None
         result["target_epsilon"] = args.target_epsilon
+    elif args.target_attack_tpr_at_fpr is not None:
+        target = args.target_attack_tpr_at_fpr
+        try:
+            sigma = calibrate_for_attack(target, [], args.sample_rate, args.steps, args.neighboring)
+        except ValueError as e:
+            raise SystemExit(f"hf-dp-repr privacy: {e}") from None
+        result["target_attack_tpr_at_fpr"] = str(target)
     else:
         if not (args.noise_multiplier >= 0 and math.isfinite(args.noise_multiplier)):
             raise SystemExit("hf-dp-repr privacy: --noise-multiplier must be >= 0 and finite")

@@ -5,7 +5,7 @@ written against earlier versions still catches it.
     >>> from hf_dp_repr import DPTrainingArguments
     >>> from hf_dp_repr.errors import DPConfigError
     >>> try:
-    ...     DPTrainingArguments(output_dir="out", report_to="none")  # neither target_epsilon nor noise_multiplier
+    ...     DPTrainingArguments(output_dir="out", report_to="none")  # no target ε, attack rate or σ
     ... except DPConfigError as err:
     ...     print(type(err).__name__, isinstance(err, ValueError))
     DPConfigError True

@@ -80,8 +80,19 @@ def test_dataloader_options_reach_the_training_dataloader(digits, tmp_path):
         ({"target_epsilon": -1.0}, "target_epsilon must be > 0"),
         ({"target_epsilon": 1.0, "target_delta": 0.0}, "target_delta must be in"),
         ({"target_epsilon": 1.0, "target_delta": 1.0}, "target_delta must be in"),
-        ({"target_epsilon": 1.0, "noise_multiplier": 1.0}, "both target_epsilon and noise_multiplier"),
-        ({}, "neither target_epsilon nor noise_multiplier.*noise_multiplier=0"),
+        ({"target_epsilon": 1.0, "noise_multiplier": 1.0}, "target_epsilon and noise_multiplier are both set"),
+        ({"target_epsilon": 1.0, "target_attack_tpr_at_fpr": "0.05@0.01"},
+         "target_epsilon and target_attack_tpr_at_fpr are both set"),
+        ({"noise_multiplier": 1.0, "target_attack_tpr_at_fpr": "0.05@0.01"},
+         "target_attack_tpr_at_fpr and noise_multiplier are both set"),
+        ({}, "none of target_epsilon, target_attack_tpr_at_fpr and noise_multiplier.*noise_multiplier=0"),
+        ({"target_attack_tpr_at_fpr": "0.05"}, r"target_attack_tpr_at_fpr='0.05' is not a target 'TPR@FPR'"),
+        ({"target_attack_tpr_at_fpr": "5%@1%"}, r"target_attack_tpr_at_fpr='5%@1%' is not a target 'TPR@FPR'"),
+        ({"target_attack_tpr_at_fpr": "0.01@0.05"}, r"true-positive rate 0.01 must be in \(FPR, 1\)"),
+        ({"target_attack_tpr_at_fpr": "0.5@0"}, r"false-positive rate 0 must be in \(0, 1\)"),
+        ({"target_attack_tpr_at_fpr": "1@0.01"}, r"true-positive rate 1 must be in"),
+        ({"target_attack_tpr_at_fpr": "0.05@0.01", "lp_steps": 0.5, "lp_epsilon_fraction": 0.2},
+         "lp_epsilon_fraction splits target_epsilon"),
         ({"target_epsilon": 1.0, "per_sample_max_grad_norm": 0.0}, "per_sample_max_grad_norm must be > 0"),
         ({"target_epsilon": 1.0, "accountant": "moments"}, "unknown accountant 'moments'"),
         ({"target_epsilon": 1.0, "clipping": "adaptive"}, "unknown clipping"),
@@ -150,3 +161,20 @@ def test_unclipped_is_refused_with_any_noise(budget, tmp_path):
 def test_unsupported_combinations_are_refused(kw, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, report_to="none", **kw)
+
+
+def test_attack_target_reaches_the_recipes_through_yaml_and_flags(tmp_path):
+    """target_attack_tpr_at_fpr is a DPTrainingArguments field: a recipe's --config YAML and its command line set it
+    (the flag overriding the file), and a bad value is refused by name before any work."""
+    from hf_dp_repr.scripts.arguments import ScriptArguments, parse_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\ntarget_attack_tpr_at_fpr: 0.05@0.01\nreport_to: [none]\n")
+    _, args = parse_args((ScriptArguments, DPTrainingArguments), ["--config", str(config)])
+    assert args.target_attack_tpr_at_fpr == "0.05@0.01" and args.target_epsilon is None
+    _, args = parse_args((ScriptArguments, DPTrainingArguments),
+                         ["--config", str(config), "--target_attack_tpr_at_fpr", "0.1@0.001"])
+    assert args.target_attack_tpr_at_fpr == "0.1@0.001"
+    with pytest.raises(DPConfigError, match="target_attack_tpr_at_fpr and noise_multiplier are both set"):
+        parse_args((ScriptArguments, DPTrainingArguments), ["--config", str(config), "--noise_multiplier", "1"])
+    assert not (tmp_path / "out").exists()

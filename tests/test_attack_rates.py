@@ -9,8 +9,9 @@ import pathlib
 import pytest
 from scipy.stats import norm
 
+from hf_dp_repr.hub.card_values import format_epsilon
 from hf_dp_repr.privacy.accounting import compute_epsilon
-from hf_dp_repr.privacy.attack_rates import ATTACK_FPRS, attack_rates, attack_rates_from_epsilon
+from hf_dp_repr.privacy.attack_rates import ATTACK_FPRS, attack_rates, attack_rates_from_epsilon, tpr_at_fpr
 
 TOL = 2e-3  # the pessimistic PLD grid (1e-3 in the privacy loss) raises the bounds by at most this much here
 
@@ -98,3 +99,100 @@ def test_the_cli_ledger_summary_and_card_state_them(capsys):
                "distribution)"]
     assert tpr.split(" / ")[1] == f"{100 * gaussian_tpr(0.01, 2.0):.3g} %"
     assert "For an attacker, a membership test can reach at most" in values["summary"]
+
+
+# ---- a target given as an attack rate (target_attack_tpr_at_fpr) calibrates σ as target_epsilon does -----------------
+@pytest.mark.parametrize("neighboring, sensitivity", [("add_remove", 1.0), ("replace_one", 2.0)])
+def test_attack_target_calibrates_sigma_to_the_closed_form(neighboring, sensitivity):
+    """One full-batch step (q = 1) is one Gaussian mechanism: its largest TPR at FPR f is Φ(Φ⁻¹(f) + Δ/σ). The σ the
+    plan calibrates for "0.05@0.01" gives TPR ≤ 5 % at FPR 1 %, and 0.1 % less noise gives more."""
+    from hf_dp_repr.training.plan import plan_run
+    from utils import dp_args
+
+    args = dp_args(pathlib.Path("/tmp/attack-target"), target_epsilon=None, target_attack_tpr_at_fpr="0.05@0.01",
+                   neighboring=neighboring, per_device_train_batch_size=64, max_steps=1)
+    plan = plan_run(args, dataset_size=64)
+    (phase,) = plan.phases
+    assert (phase.sample_rate, phase.steps) == (1.0, 1)
+    sigma = phase.noise_multiplier
+    assert gaussian_tpr(0.01, sensitivity / sigma) <= 0.05 < gaussian_tpr(0.01, sensitivity / (0.999 * sigma))
+    # the same from the PLD the card states it from (an upper bound): met, and tight
+    assert tpr_at_fpr([(sigma, 1.0, 1)], 0.01, neighboring) <= 0.05 < tpr_at_fpr([(0.999 * sigma, 1.0, 1)], 0.01,
+                                                                                   neighboring)
+    assert plan.target_attack_tpr_at_fpr == "0.05@0.01" and plan.target_epsilon is None
+    assert plan.planned_epsilon() == compute_epsilon([(sigma, 1.0, 1)], 1e-4, "pld", neighboring)
+
+
+def test_an_epsilon_split_set_after_the_checks_is_refused_with_an_attack_target():
+    """sweep_budget_split sets lp_epsilon_fraction on checked arguments: the plan refuses it (there is no ε to split)
+    instead of ignoring it."""
+    from hf_dp_repr.errors import DPConfigError
+    from hf_dp_repr.training.plan import plan_run
+    from utils import dp_args
+
+    args = dp_args(pathlib.Path("/tmp/attack-target"), target_epsilon=None, target_attack_tpr_at_fpr="0.1@0.01",
+                   per_device_train_batch_size=50, max_steps=4, lp_steps=0.5)
+    args.lp_epsilon_fraction = 0.3
+    with pytest.raises(DPConfigError, match="lp_epsilon_fraction=0.3 splits target_epsilon"):
+        plan_run(args, dataset_size=100)
+
+
+def test_attack_target_composes_over_the_plan():
+    """Several subsampled steps: the whole planned history meets the target (within 0.1 % of TPR − FPR below it)."""
+    from hf_dp_repr.training.plan import plan_run
+    from utils import dp_args
+
+    args = dp_args(pathlib.Path("/tmp/attack-target"), target_epsilon=None, target_attack_tpr_at_fpr="0.1@0.01",
+                   per_device_train_batch_size=50, max_steps=4)
+    plan = plan_run(args, dataset_size=100)
+    assert plan.history() == [(plan.phases[0].noise_multiplier, 0.5, 4)]
+    tpr = tpr_at_fpr(plan.history(), 0.01, "replace_one")
+    assert 0.1 - 1e-3 * (0.1 - 0.01) <= tpr <= 0.1
+
+
+def test_privacy_command_calibrates_for_an_attack_target(capsys):
+    from hf_dp_repr.cli import main
+
+    assert main(["privacy", "--sample-rate", "1", "--target-attack-tpr-at-fpr", "0.05@0.01", "--steps", "1",
+                 "--delta", "1e-5", "--neighboring", "add_remove"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sigma = out["noise_multiplier"]
+    assert out["target_attack_tpr_at_fpr"] == "0.05@0.01" and out["epsilon"] > 0
+    assert gaussian_tpr(0.01, 1 / sigma) <= 0.05 < gaussian_tpr(0.01, 1 / (0.999 * sigma))
+    with pytest.raises(SystemExit):  # refused by argparse, before any calibration
+        main(["privacy", "--sample-rate", "1", "--target-attack-tpr-at-fpr", "0.01@0.05", "--steps", "1",
+              "--delta", "1e-5"])
+    assert "--target-attack-tpr-at-fpr='0.01@0.05': the true-positive rate 0.01 must be in (FPR, 1)" \
+        in capsys.readouterr().err
+
+
+def test_ledger_card_and_log_state_the_attack_target_and_its_epsilon(digits, tmp_path):
+    """A run with target_attack_tpr_at_fpr: its ledger file, end-of-training log, plan log line and model card
+    state the target and the ε it gave."""
+    from transformers import logging as hf_logging
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_dp_repr import DPTrainer
+    from hf_dp_repr.privacy.ledger import PrivacyLedger
+    from hf_dp_repr.tiny import tiny_vit
+    from utils import dp_args
+
+    args = dp_args(tmp_path, target_epsilon=None, target_attack_tpr_at_fpr="0.2@0.01", per_device_train_batch_size=64,
+                   max_steps=1, log_level="info")
+    trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"].select(range(64)))
+    with CaptureLogger(hf_logging.get_logger("hf_dp_repr.trainer")) as cl:
+        trainer.train()
+    trainer.save_model()
+    ledger = PrivacyLedger.load(args.output_dir)
+    saved = json.loads((tmp_path / "run" / "privacy_ledger.json").read_text())
+    assert saved["target_attack_tpr_at_fpr"] == "0.2@0.01" and saved["target_epsilon"] is None
+    eps = ledger.epsilon()
+    assert saved["epsilon"] == pytest.approx(eps) and 0 < eps < math.inf
+    assert ledger.attack_rates().tpr_at_fpr[0.01] <= 0.2
+    assert "DP-SGD plan (target_attack_tpr_at_fpr=0.2@0.01" in cl.out
+    assert f"(ε = {eps:.4g}, δ = 0.0001)" in cl.out and "(σ calibrated for target_attack_tpr_at_fpr=0.2@0.01)" in cl.out
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert ("| target attack rate | a membership test can reach at most TPR 20 % at FPR 1 %, for replace-one "
+            "neighbours (`target_attack_tpr_at_fpr=0.2@0.01`) |") in card
+    assert "| target ε | none (σ calibrated for the target attack rate below) |" in card
+    assert f"(ε = {format_epsilon(eps)}, δ = 0.0001)" in card

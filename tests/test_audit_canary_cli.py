@@ -80,6 +80,8 @@ def test_bad_canary_audits_are_refused(folders, digits, tmp_path):
              "not a model to keep")
     _refused(_argv(folders, training=("--noise_multiplier", "0", "--output_dir", str(tmp_path / "run"))), out,
              "the audit's run is not kept")
+    _refused(_argv(folders, training=("--noise_multiplier", "0", f"--output_dir={tmp_path / 'run'}")), out,
+             "^hf-dp-repr audit canaries: --output_dir: the audit's run is not kept")
     _refused(_argv(folders, training=("--target_epsilon", "1", "--accountant", "pld", "--neighboring",
                                       "replace_one")), out, "tests add/remove")
     _refused(_argv(folders, training=("--noise_multiplier", "0", "--privacy_unit", "user_id")), out,

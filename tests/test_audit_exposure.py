@@ -142,3 +142,21 @@ def test_cli_writes_report_plot_and_dp_model(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--push_to_hub"):
         main(["audit", "exposure", "--out", str(tmp_path / "x"), "--", "--target_epsilon", "1", "--push_to_hub"])
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("flags, match", [
+    ((), r"give the DP training arguments after `--` \(at least --target_epsilon"),
+    (("--target_epsilon", "1", "--output_dir=elsewhere"), "^hf-dp-repr audit exposure: --output_dir / --push_to_hub: "
+                                                          "the DP model goes to --out/model"),
+    (("--target_epsilon", "1", "--noise_multiplier", "1"), "training arguments: DPTrainingArguments: target_epsilon "
+                                                            "and noise_multiplier are both set"),
+])
+def test_training_flags_are_refused_before_any_work(flags, match, tmp_path):
+    """The flags after `--` go through the audits' one parser (audit.inputs.training_flags) with this command's
+    refusals; nothing is written."""
+    from hf_dp_repr.cli import main
+
+    with pytest.raises(SystemExit, match=match):
+        main(["audit", "exposure", "--out", str(tmp_path / "x"), "--", *flags])
+    assert not (tmp_path / "x").exists()
+

@@ -63,10 +63,7 @@ def plot_laws(curves: Mapping[str, RepresentationReport], path: str | Path, titl
         ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, path)
 
 
 def plot_umap(features: Any, labels: Any, path: str | Path, *, title: str | None = None, seed: int = 0,
@@ -94,6 +91,11 @@ def plot_umap(features: Any, labels: Any, path: str | Path, *, title: str | None
     ax.set_yticks([])
     if title:
         ax.set_title(title)
+    return _save(fig, path)
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    """Write `fig` to `path` (its folder made if missing) at the plots' resolution."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

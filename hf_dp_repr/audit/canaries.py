@@ -145,7 +145,7 @@ def train_with_canaries(model, args, train: Dataset, canaries: Dataset, *, k: in
     data = with_canaries(train, canaries, included)
     trainer = (DPTrainer if private else Trainer)(model=model, args=args, train_dataset=data)
     trainer.train()
-    delta = args.target_delta if private else (1e-5 if delta is None else delta)
+    delta = trainer.ledger.plan.target_delta if private else (1e-5 if delta is None else delta)  # the plan's δ
     result = one_run_audit(classification_losses(trainer.model, canaries), included, k, delta, beta)
     claimed = trainer.ledger.epsilon() if private else float("inf")
     result.update(claimed_epsilon=claimed if np.isfinite(claimed) else None, training_examples=len(data),

@@ -80,21 +80,12 @@ def _fail(message: str):
 
 def training_arguments(flags: list[str], run_dir: str):
     """DPTrainingArguments from the flags after `--`, in the temporary `run_dir` (nothing of the run is kept)."""
-    from transformers import HfArgumentParser
+    from .inputs import training_flags
 
-    from ..training.arguments import DPTrainingArguments
-
-    flags = flags[1:] if flags[:1] == ["--"] else flags
-    if not flags:
-        _fail("give the training arguments after `--` (at least --target_epsilon or --noise_multiplier, and "
-              "--target_delta).")
-    if "--output_dir" in flags:
-        _fail("--output_dir: the audit's run is not kept (its model carries the canaries); the report goes to --out.")
-    try:
-        args, = HfArgumentParser(DPTrainingArguments).parse_args_into_dataclasses(
-            [*DEFAULTS, *flags, "--output_dir", run_dir])
-    except ValueError as err:
-        _fail(f"training arguments: {err}")
+    args = training_flags(flags, run_dir, DEFAULTS, _fail, refused=("--output_dir",),
+                          missing="give the training arguments after `--` (at least --target_epsilon or "
+                                  "--noise_multiplier, and --target_delta).",
+                          why="the audit's run is not kept (its model carries the canaries); the report goes to --out.")
     if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" or args.push_to_hub:
         _fail("the audit's run carries the canaries and is not a model to keep: leave --save_strategy and "
               "--push_to_hub out (train the model you publish without canaries).")

@@ -154,7 +154,8 @@ def train_with_dirac_canaries(model, args, train: Dataset, m: int, *, k: int, be
     trainer = DiracCanaryTrainer(model, args, data, m, magnitude)
     trainer.train()
     scores = trainer.canary_scores()
-    result = one_run_audit(-scores, included, k, args.target_delta, beta)  # high score = "in" (a low "loss")
+    # high score = "in" (a low "loss"); δ is the run's plan's, as its claimed ε
+    result = one_run_audit(-scores, included, k, trainer.ledger.plan.target_delta, beta)
     claimed = trainer.ledger.epsilon()
     result.update(kind="dirac", claimed_epsilon=claimed if np.isfinite(claimed) else None,
                   training_examples=len(data), trainer="DiracCanaryTrainer (DPTrainer)",

@@ -64,24 +64,6 @@ def _fail(message: str):
     raise SystemExit(f"hf-dp-repr audit exposure: {message} Nothing written.")
 
 
-def _training_arguments(flags: list[str], output_dir: str):
-    from transformers import HfArgumentParser
-
-    from ..training.arguments import DPTrainingArguments
-
-    flags = flags[1:] if flags[:1] == ["--"] else flags
-    if not flags:
-        _fail("give the DP training arguments after `--` (at least --target_epsilon and --target_delta).")
-    if "--output_dir" in flags or "--push_to_hub" in flags:
-        _fail("--output_dir / --push_to_hub: the DP model goes to --out/model; push it later with `hf-dp-repr push`.")
-    try:
-        args, = HfArgumentParser(DPTrainingArguments).parse_args_into_dataclasses(
-            [*DEFAULTS, *flags, "--output_dir", output_dir])
-    except ValueError as err:
-        _fail(f"training arguments: {err}")
-    return args
-
-
 def _texts_and_tokenizer(args: argparse.Namespace):
     """(private texts, tokenizer, model)."""
     from datasets import DatasetDict, load_from_disk
@@ -126,11 +108,15 @@ def run_exposure_audit(args: argparse.Namespace) -> int:
     from ..privacy.randomness import DPRandomness
     from .exposure import draw_canaries
     from .exposure_run import by_repeats, exposure_audit, save_exposure_report, save_model_exposures
+    from .inputs import training_flags
 
     if any(r < 1 for r in args.repeats):
         _fail(f"--repeats must be positive integers, got {args.repeats}.")
     out = Path(args.out)
-    targs = _training_arguments(args.training_args, str(out / "model"))
+    targs = training_flags(args.training_args, str(out / "model"), DEFAULTS, _fail,
+                           missing="give the DP training arguments after `--` (at least --target_epsilon and "
+                                   "--target_delta).", refused=("--output_dir", "--push_to_hub"),
+                           why="the DP model goes to --out/model; push it later with `hf-dp-repr push`.")
     try:
         canaries = draw_canaries(DPRandomness(targs.noise_seed), tuple(args.repeats), args.per_repeat,
                                  args.never_inserted, args.secret_length)

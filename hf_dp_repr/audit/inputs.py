@@ -1,7 +1,8 @@
 """The datasets an audit from the command line reads (`hf-dp-repr audit`, `hf-dp-repr audit canaries`): loaded from
 a spec (`digits:train|test`, or a `save_to_disk` folder as `DIR[:split]`), with their labels checked against the
-model and a hash of each example's inputs (to refuse an example on both sides). A refusal exits with the message,
-before anything is written.
+model and a hash of each example's inputs (to refuse an example on both sides); and the training arguments the
+audits that train (`audit canaries`, `audit exposure`) read after `--` (`training_flags`). A refusal exits with the
+message, before anything is written.
 
 Example:
     >>> train = load_audit_dataset("digits:train", "--members")
@@ -80,3 +81,34 @@ def check_labels(data, flag: str, num_labels: int) -> None:
     if labels.min() < 0 or labels.max() >= num_labels:
         fail(f"{flag}: labels in {labels.min()}..{labels.max()}, outside the model's 0..{num_labels - 1}. "
               "Nothing written.")
+
+
+def training_flags(flags: list[str], output_dir: str, defaults: list[str], refuse, *, missing: str,
+                   refused: tuple[str, ...], why: str):
+    """The `DPTrainingArguments` an audit command trains with, from its flags after `--`: `defaults` first (the
+    flags given win), `output_dir` last. `refuse(message)` is the command's own refusal (it exits before anything is
+    written): with `missing` when no flag is given, naming the `refused` flags with `why` when one of them is given
+    (as `--flag` or `--flag=value`), and with DPTrainingArguments' own message for a value it refuses.
+
+    Example:
+        >>> def refuse(message): raise SystemExit(message)
+        >>> training_flags(["--", "--target_epsilon", "1", "--output_dir", "x"], "out", [], refuse, missing="",
+        ...                refused=("--output_dir",), why="the run goes to --out.")
+        Traceback (most recent call last):
+        SystemExit: --output_dir: the run goes to --out.
+    """
+    from transformers import HfArgumentParser
+
+    from ..training.arguments import DPTrainingArguments
+
+    flags = flags[1:] if flags[:1] == ["--"] else flags
+    if not flags:
+        refuse(missing)
+    if any(flag.split("=", 1)[0] in refused for flag in flags):
+        refuse(f"{' / '.join(refused)}: {why}")
+    try:
+        args, = HfArgumentParser(DPTrainingArguments).parse_args_into_dataclasses(
+            [*defaults, *flags, "--output_dir", output_dir])
+    except ValueError as err:
+        refuse(f"training arguments: {err}")
+    return args

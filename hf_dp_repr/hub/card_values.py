@@ -14,7 +14,7 @@ import math
 from decimal import Decimal
 
 from ..privacy.accountants import ACCOUNTANTS
-from ..privacy.attack_rates import attack_rates, attack_rates_from_epsilon
+from ..privacy.attack_rates import AttackTarget, attack_rates, attack_rates_from_epsilon
 from ..privacy.units import ROW, describe_unit
 
 RANDOMNESS = {
@@ -50,7 +50,7 @@ def template_values(led: dict, info: dict, scope: str, results: dict | None, law
     else:
         sigma_text = "per phase, see the table below"
         sampling = f"{kind} batches, per phase (see the table below)"
-    target = led.get("target_epsilon")
+    target, attack = led.get("target_epsilon"), led.get("target_attack_tpr_at_fpr")
     neighboring = led.get("neighboring", "add_remove")
     claim = _release_claim(led, history, neighboring, search) if private and eps is not None else None
     summary = (claim["summary"] if claim else
@@ -82,7 +82,9 @@ def template_values(led: dict, info: dict, scope: str, results: dict | None, law
         epsilon_rows=claim["rows"] if claim else [],
         guarantee_note=claim["note"] if claim else "",
         delta=f"{led['target_delta']:g}",
-        target_epsilon_text=_fmt(target) if target is not None else "none (σ given)",
+        target_epsilon_text=(_fmt(target) if target is not None else "none (σ given)" if attack is None else
+                             "none (σ calibrated for the target attack rate below)"),
+        target_attack_text=None if attack is None else _attack_target_text(attack, neighboring),
         accountant=led["accountant"],
         accountant_text=_accountant_text(led["accountant"]),
         sigma_text=sigma_text,
@@ -175,6 +177,13 @@ def attack_rows(rates) -> list[tuple[str, str]]:
     return [(f"largest TPR of any membership test at FPR {fprs} ({source})",
              " / ".join(f"{100 * t:.3g} %" for t in rates.tpr_at_fpr.values())),
             ("largest attacker advantage (TPR − FPR)", f"{100 * rates.advantage:.3g} %")]
+
+
+def _attack_target_text(target: str, neighboring: str) -> str:
+    """The attack-rate target σ was calibrated for (`target_attack_tpr_at_fpr`), for the plan's relation."""
+    relation = ("replace-one neighbours" if neighboring == "replace_one" else
+                "add/remove neighbours (the plan's; the replace-one rates above are higher)")
+    return f"{AttackTarget.parse(target).describe()}, for {relation} (`target_attack_tpr_at_fpr={target}`)"
 
 
 def audit_row(audit: dict | None) -> dict | None:

@@ -1,4 +1,7 @@
-"""Privacy accounting: σ calibration and ε of a history (the plan and the ledger of a run: `ledger.py`).
+"""Privacy accounting: σ calibration and ε of a history (the plan and the ledger of a run: `ledger.py`). σ is
+calibrated for a target ε (`calibrate_noise_multiplier`, `calibrate_last_phase`) or for a target attack rate
+(`calibrate_for_attack`: the largest TPR of a membership test at an FPR, `attack_rates.py`), by one bisection
+(`calibrate_sigma`).
 
 Every ε reported by this library comes from `compute_epsilon`, i.e. from a real accountant run on the history of
 (σ, sample rate, steps) that was actually executed: dp_accounting's `pld` (privacy loss distributions, the default
@@ -37,6 +40,7 @@ from .accountants import (  # noqa: F401 (ACCOUNTANTS, NEIGHBORING_RELATIONS, GD
     accountants_for,
     check_accountant,
 )
+from .attack_rates import AttackTarget, tpr_at_fpr
 
 # The largest σ calibration tries: Opacus' bound (opacus.accountants.utils.MAX_SIGMA), kept here so that this
 # module imports neither Opacus nor torch.
@@ -85,33 +89,66 @@ def calibrate_last_phase(
 ) -> float:
     """σ of a last phase of `steps` steps at `sample_rate` such that `fixed` phases followed by it spend
     target_epsilon (within 0.1 %, never above). With `same_sigma`, the `fixed` phases' σ is replaced by the
-    same σ (one σ calibrated on the whole composition). Bisection on `compute_epsilon`."""
-
-    def eps(sigma: float) -> float:
-        head = [(sigma, q, t) for _, q, t in fixed] if same_sigma else list(fixed)
-        try:
-            return compute_epsilon(head + [(sigma, sample_rate, steps)], target_delta, accountant, neighboring)
-        except (ValueError, OverflowError, FloatingPointError):
-            return math.inf  # σ too small for the accountant's numerics: certainly above any sane target
-
+    same σ (one σ calibrated on the whole composition). Bisection on `compute_epsilon` (`calibrate_sigma`)."""
     check_accountant(accountant, neighboring)
     if not same_sigma and compute_epsilon(fixed, target_delta, accountant, neighboring) >= target_epsilon:
         raise OutOfReachError("calibrate_last_phase: the earlier phases already spend the whole target ε; give "
                               "them a smaller share of the budget.")
+    return calibrate_sigma(lambda history: compute_epsilon(history, target_delta, accountant, neighboring),
+                           target_epsilon, fixed, sample_rate, steps, same_sigma,
+                           target_name=f"target_epsilon={target_epsilon:g}",
+                           measure=f"ε (the '{accountant}' accountant's floor)")
+
+
+def calibrate_sigma(spend, target: float, fixed: History, sample_rate: float, steps: int, same_sigma: bool = False,
+                    floor: float = 0.0, target_name: str = "the target", measure: str = "the measure") -> float:
+    """The smallest σ (bisection) of a last phase of `steps` steps at `sample_rate` after the `fixed` phases (their σ
+    replaced by it with `same_sigma`) such that `spend(history)` is at most `target`, and above it by no more than
+    0.1 % of `target - floor`. `spend` falls as σ grows, towards `floor` (its value for pure noise): ε (`floor` 0),
+    or the largest TPR of a membership test at an FPR (`floor` that FPR; `attack_rates.calibrate_for_attack`)."""
+
+    def value(sigma: float) -> float:
+        head = [(sigma, q, t) for _, q, t in fixed] if same_sigma else list(fixed)
+        try:
+            return spend(head + [(sigma, sample_rate, steps)])
+        except (ValueError, OverflowError, FloatingPointError):
+            return math.inf  # σ too small for the accountant's numerics: certainly above any sane target
+
     low, high = 0.0, 1.0
-    while (eps_high := eps(high)) > target_epsilon:
+    while (value_high := value(high)) > target:
         low, high = high, 2 * high
-        if high > 1e6:
-            raise OutOfReachError(f"target_epsilon={target_epsilon:g} is out of reach: even σ = {high:g} spends "
-                                  f"ε = {eps_high:.4g} (the '{accountant}' accountant's floor"
-                                  f"{'' if same_sigma else ' with the earlier phases'}); set target_epsilon above it.")
-    while eps_high < (1 - RELATIVE_EPSILON_TOLERANCE) * target_epsilon and high - low > 1e-9:
+        if high > MAX_SIGMA:
+            raise OutOfReachError(f"{target_name} is out of reach: even σ = {high:g} gives {measure} "
+                                  f"{value_high:.4g}{'' if same_sigma or not fixed else ' with the earlier phases'}; "
+                                  "set the target above it.")
+    enough = floor + (1 - RELATIVE_EPSILON_TOLERANCE) * (target - floor)
+    while value_high < enough and high - low > 1e-9:
         mid = (low + high) / 2
-        if (eps_mid := eps(mid)) > target_epsilon:
+        if (value_mid := value(mid)) > target:
             low = mid
         else:
-            high, eps_high = mid, eps_mid
+            high, value_high = mid, value_mid
     return high
+
+
+def calibrate_for_attack(target: AttackTarget, fixed, sample_rate: float, steps: int, neighboring: str,
+                         same_sigma: bool = False) -> float:
+    """σ of a last phase, as `calibrate_last_phase` but for an attack-rate target: the smallest σ (the
+    same bisection, `accounting.calibrate_sigma`) such that the whole history's largest TPR at `target.fpr` is at
+    most `target.tpr` (and within 0.1 % of `target.tpr − target.fpr` below it), for `neighboring` neighbours.
+
+    Example (one full-batch step: the closed form Φ(Φ⁻¹(0.01) + 1/σ) = 0.05 at σ ≈ 1.467):
+        >>> from hf_dp_repr.privacy.attack_rates import AttackTarget
+        >>> round(calibrate_for_attack(AttackTarget(0.05, 0.01), [], 1.0, 1, "add_remove"), 3)
+        1.468
+    """
+    if not same_sigma and tpr_at_fpr(fixed, target.fpr, neighboring) >= target.tpr:
+        raise OutOfReachError(f"target_attack_tpr_at_fpr={target}: the earlier phases already allow a TPR above "
+                              f"{target.tpr:g}; give them more noise.")
+    return calibrate_sigma(lambda history: tpr_at_fpr(history, target.fpr, neighboring), target.tpr, fixed,
+                           sample_rate, steps, same_sigma, floor=target.fpr,
+                           target_name=f"target_attack_tpr_at_fpr={target}",
+                           measure=f"a largest TPR at FPR {100 * target.fpr:g} % of")
 
 
 def merge_history(history: History) -> History:

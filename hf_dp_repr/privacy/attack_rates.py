@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import DPConfigError
+
 ATTACK_FPRS = (0.001, 0.01, 0.1)  # the false-positive rates reported
 # dp_accounting's privacy-loss grid (also `accountants.PLD_DISCRETIZATION`): its pessimistic rounding raises every loss
 # to the grid, so a coarser grid only raises the bounds.
@@ -99,6 +101,63 @@ def _attack_rates(history: tuple, neighboring: str) -> AttackRates:
     fnr = np.atleast_1d(get_beta_from_pld(pld, alpha=np.array(ATTACK_FPRS)))
     tpr = {fpr: _clip(1.0 - float(b), fpr) for fpr, b in zip(ATTACK_FPRS, fnr)}
     return AttackRates(tpr, _clip(float(get_advantage_from_pld(pld)), 0.0), neighboring)
+
+
+def tpr_at_fpr(history, fpr: float, neighboring: str) -> float:
+    """The largest TPR any membership test reaches at FPR `fpr` against a DP-SGD history [(σ, q, steps), ...] (every
+    σ > 0), from its privacy loss distribution as in `attack_rates`."""
+    return _tpr_at_fpr(tuple((float(s), float(q), int(t)) for s, q, t in history if int(t) > 0), float(fpr),
+                       neighboring)
+
+
+@functools.lru_cache(maxsize=256)  # a calibration asks again for the σ it bisects between
+def _tpr_at_fpr(history: tuple, fpr: float, neighboring: str) -> float:
+    if not history:
+        return fpr
+    if any(sigma <= 0 for sigma, _, _ in history):
+        return 1.0
+    from riskcal.analysis import get_beta_from_pld
+
+    beta = np.atleast_1d(get_beta_from_pld(gaussian_pld(history, neighboring), alpha=np.array([fpr])))[0]
+    return _clip(1.0 - float(beta), fpr)
+
+
+@dataclass(frozen=True)
+class AttackTarget:
+    """A privacy target stated for the attacker: no membership test reaches a TPR above `tpr` at FPR `fpr`
+    (`DPTrainingArguments.target_attack_tpr_at_fpr`, written "TPR@FPR": "0.05@0.01" is TPR 5 % at FPR 1 %).
+
+    Example:
+        >>> AttackTarget.parse("0.05@0.01").describe()
+        'a membership test can reach at most TPR 5 % at FPR 1 %'
+    """
+
+    tpr: float
+    fpr: float
+
+    @classmethod
+    def parse(cls, text, name: str = "target_attack_tpr_at_fpr") -> "AttackTarget":
+        """The target written `text` ("TPR@FPR", fractions); a `DPConfigError` naming `name` if it is not one."""
+        parts = text.split("@") if isinstance(text, str) else ()
+        try:
+            tpr, fpr = (float(p) for p in parts)
+        except ValueError:
+            raise DPConfigError(f"{name}={text!r} is not a target 'TPR@FPR' (two fractions, e.g. '0.05@0.01': no "
+                                "membership test reaches a true-positive rate above 5 % at a false-positive rate "
+                                "of 1 %).") from None
+        if not 0 < fpr < 1:
+            raise DPConfigError(f"{name}={text!r}: the false-positive rate {fpr:g} must be in (0, 1), e.g. 0.01.")
+        if not fpr < tpr < 1:
+            raise DPConfigError(f"{name}={text!r}: the true-positive rate {tpr:g} must be in (FPR, 1) = ({fpr:g}, 1): "
+                                "a test reaches TPR = FPR by guessing, so no noise gives a lower TPR, and TPR 1 "
+                                "limits nothing.")
+        return cls(tpr, fpr)
+
+    def __str__(self) -> str:
+        return f"{self.tpr:g}@{self.fpr:g}"
+
+    def describe(self) -> str:
+        return f"a membership test can reach at most TPR {_percent(self.tpr)} at FPR {_percent(self.fpr)}"
 
 
 def attack_rates_from_epsilon(epsilon: float, delta: float, neighboring: str) -> AttackRates:

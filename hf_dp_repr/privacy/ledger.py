@@ -1,8 +1,9 @@
 """The plan of a DP run and its ledger, kept apart as Opacus keeps an accountant's configuration apart from its state.
 
 - `PrivacyPlan` (frozen): what the run will do, fixed before its first step: the phases (σ, sample rate q, steps,
-  expected batch), the accountant, δ, the target ε, C, the clipping, n, the neighbouring relation, where the
-  randomness comes from, the unit of privacy and the number of processes. `plan.planned_epsilon()` is ε at its end.
+  expected batch), the accountant, δ, the target (ε or an attack rate), C, the clipping, n, the neighbouring
+  relation, where the randomness comes from, the unit of privacy and the number of processes.
+  `plan.planned_epsilon()` is ε at its end.
 - `PrivacyLedger(plan, steps_done)`: how far the run has got. `record_step()` accounts one noisy update (and
   refuses one past the plan), `epsilon()` is ε spent so far, `save(dir)`/`load(dir)` write and read
   `privacy_ledger.json`, the file every checkpoint carries (its format is unchanged by this split).
@@ -70,6 +71,8 @@ class PrivacyPlan:
     neighboring: str = "add_remove"
     randomness: str = "os-entropy"
     privacy_unit: str = "row"
+    # σ calibrated for an attack rate instead of ε ("TPR@FPR", `attack_rates.AttackTarget`); None: not asked.
+    target_attack_tpr_at_fpr: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "phases", tuple(self.phases))  # a list passed in cannot change the plan later
@@ -121,6 +124,8 @@ class PrivacyPlan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["phases"] = [asdict(p) for p in self.phases]
+        if self.target_attack_tpr_at_fpr is None:  # written only when asked: other ledger files stay as they were
+            del d["target_attack_tpr_at_fpr"]
         return d
 
     @classmethod
@@ -232,8 +237,10 @@ class PrivacyLedger:
         if not math.isfinite(eps):
             return (f"{self.steps_done} of {plan.planned_steps} DP steps taken: NOT differentially private (ε = ∞, "
                     "no noise).")
+        target = plan.target_attack_tpr_at_fpr
         return (f"{self.steps_done} of {plan.planned_steps} DP steps taken: (ε = {eps:.4g}, δ = {plan.target_delta:g})"
-                f"-DP for {relation} neighbours ({plan.accountant}); {self.attack_rates().describe()}")
+                f"-DP for {relation} neighbours ({plan.accountant}); {self.attack_rates().describe()}"
+                + ("" if target is None else f" (σ calibrated for target_attack_tpr_at_fpr={target})"))
 
     def to_dict(self) -> dict:
         """The ledger file's content: the plan's fields, then the history, the position and ε."""

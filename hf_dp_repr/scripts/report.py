@@ -56,6 +56,8 @@ def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = No
                 if eps is None or math.isinf(eps) else f"{eps:.4f}")
     if plan.target_epsilon is not None:
         eps_text += f" (target {plan.target_epsilon:g})"
+    if plan.target_attack_tpr_at_fpr is not None:
+        eps_text += f" (σ calibrated for target_attack_tpr_at_fpr={plan.target_attack_tpr_at_fpr})"
     rows.append(("ε spent", eps_text))
     rows.append(("δ", f"{plan.target_delta:g}"))
     sigmas = ", ".join(f"{p.noise_multiplier:.3f}" for p in plan.phases)

@@ -1,4 +1,4 @@
-"""Checks of `DPTrainingArguments` fields, one function per feature (the target ε, the unit of privacy, the
+"""Checks of `DPTrainingArguments` fields, one function per feature (the privacy target, the unit of privacy, the
 linear-probing phase, feature caching, report_to, several processes forming one run), run by
 `DPTrainingArguments.__post_init__`; `check_privacy_unit` also by callers that set `privacy_unit` after parsing
 (the causal-LM recipe). Each refuses before any work, naming the argument and the fix. Imports nothing heavy
@@ -38,6 +38,37 @@ def target_epsilon_problem(eps: float) -> str | None:
     if not eps > 0:
         return f"target_epsilon must be > 0, got {eps}."
     return None
+
+
+PRIVACY_TARGETS = ("target_epsilon", "target_attack_tpr_at_fpr", "noise_multiplier")  # give exactly one
+
+
+def check_privacy_target(args) -> None:
+    """Exactly one of `PRIVACY_TARGETS`, each with a value that can be met: a target ε, a target attack rate
+    ("TPR@FPR", parsed into `args.attack_target`), or σ itself."""
+    given = [name for name in PRIVACY_TARGETS if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise DPConfigError(
+            f"DPTrainingArguments: {' and '.join(given)} are {'both' if len(given) == 2 else 'all'} set. Give one: "
+            "target_epsilon (σ calibrated to spend that ε), target_attack_tpr_at_fpr (σ calibrated so that no "
+            "membership test beats that TPR at that FPR) or noise_multiplier (σ fixed).")
+    if not given:
+        raise DPConfigError(
+            "DPTrainingArguments: none of target_epsilon, target_attack_tpr_at_fpr and noise_multiplier is set. Give "
+            "target_epsilon (e.g. 8.0) or target_attack_tpr_at_fpr (e.g. '0.05@0.01') for a private run; for an "
+            "explicitly non-private reference set noise_multiplier=0.")
+    eps, sigma = args.target_epsilon, args.noise_multiplier
+    if eps is not None and (problem := target_epsilon_problem(eps)):
+        raise DPConfigError(f"DPTrainingArguments: {problem}")
+    if sigma is not None and not (sigma >= 0 and math.isfinite(sigma)):
+        raise DPConfigError(f"DPTrainingArguments: noise_multiplier must be >= 0 and finite, got {sigma}.")
+    if args.target_attack_tpr_at_fpr is not None:
+        from ..privacy.attack_rates import AttackTarget
+
+        try:
+            AttackTarget.parse(args.target_attack_tpr_at_fpr)
+        except DPConfigError as err:
+            raise DPConfigError(f"DPTrainingArguments: {err}") from None
 
 
 def check_privacy_unit(args) -> None:

@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -29,10 +28,10 @@ from ..scope.head_init import HEAD_INITS, check_head_init
 from .accuracy_checks import check_accuracy_fields
 from .argument_checks import (
     check_one_run,
+    check_privacy_target,
     check_privacy_unit,
     check_report_to,
     join_cpu_processes,
-    target_epsilon_problem,
     validate_cache_fields,
     validate_lp_fields,
 )
@@ -50,13 +49,22 @@ RESUMABLE_HUB_STRATEGIES = ("checkpoint", "all_checkpoints")
 @dataclass
 class DPTrainingArguments(TrainingArguments):
     """Arguments of a DP-SGD run. Give exactly one of `target_epsilon` (σ is then calibrated so the whole
-    planned run spends exactly that ε) or `noise_multiplier` (ε is then whatever the run spends;
+    planned run spends exactly that ε), `target_attack_tpr_at_fpr` (σ calibrated so that no membership test reaches
+    more than that TPR at that FPR) or `noise_multiplier` (ε is then whatever the run spends;
     `noise_multiplier=0` is an explicitly non-private run, ε = ∞)."""
 
     target_epsilon: float | None = field(
         default=None,
         metadata={"help": "Privacy budget ε for the whole planned run; σ is calibrated to spend it exactly. "
-                  "Exclusive with --noise_multiplier."},
+                  "Exclusive with --noise_multiplier and --target_attack_tpr_at_fpr."},
+    )
+    target_attack_tpr_at_fpr: str | None = field(
+        default=None,
+        metadata={"help": "A target for the attacker instead of ε, written 'TPR@FPR' (fractions): '0.05@0.01' "
+                  "calibrates σ so that no membership test on the released model reaches a true-positive rate above "
+                  "0.05 at a false-positive rate of 0.01, from the whole planned run's privacy loss distribution, for "
+                  "the run's neighbouring relation. The ledger, log and card state the target and the ε it gives. "
+                  "Exclusive with --target_epsilon and --noise_multiplier."},
     )
     target_delta: float = field(
         default=1e-5,
@@ -71,7 +79,7 @@ class DPTrainingArguments(TrainingArguments):
     )
     noise_multiplier: float | None = field(
         default=None,
-        metadata={"help": "σ: Gaussian noise std divided by the clipping norm. Exclusive with --target_epsilon. "
+        metadata={"help": "σ: Gaussian noise std divided by the clipping norm. Exclusive with the two targets. "
                   "0 means an explicitly non-private run (clipping only, ε = ∞)."},
     )
     per_sample_max_grad_norm: float = field(
@@ -289,21 +297,7 @@ class DPTrainingArguments(TrainingArguments):
 
 def validate_dp_fields(args: DPTrainingArguments) -> None:
     """Check the DP fields; each error names the argument and what to do instead."""
-    eps, sigma = args.target_epsilon, args.noise_multiplier
-    if eps is not None and sigma is not None:
-        raise DPConfigError(
-            "DPTrainingArguments: both target_epsilon and noise_multiplier are set. Give target_epsilon to have "
-            "σ calibrated, or noise_multiplier to fix σ, not both."
-        )
-    if eps is None and sigma is None:
-        raise DPConfigError(
-            "DPTrainingArguments: neither target_epsilon nor noise_multiplier is set. Give target_epsilon "
-            "(e.g. 8.0) for a private run; for an explicitly non-private reference set noise_multiplier=0."
-        )
-    if eps is not None and (problem := target_epsilon_problem(eps)):
-        raise DPConfigError(f"DPTrainingArguments: {problem}")
-    if sigma is not None and not (sigma >= 0 and math.isfinite(sigma)):
-        raise DPConfigError(f"DPTrainingArguments: noise_multiplier must be >= 0 and finite, got {sigma}.")
+    check_privacy_target(args)  # one of target_epsilon, target_attack_tpr_at_fpr, noise_multiplier
     if not 0 < args.target_delta < 1:
         raise DPConfigError(
             f"DPTrainingArguments: target_delta must be in (0, 1), got {args.target_delta}; a common choice is "
@@ -331,7 +325,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
     if args.clipping not in CLIPPING_MODES:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of "
                             f"{tuple(CLIPPING_MODES)}.")
-    if not CLIPPING_MODES[args.clipping].private and not (sigma == 0 and eps is None):
+    if not CLIPPING_MODES[args.clipping].private and args.noise_multiplier != 0:
         raise DPConfigError(f"DPTrainingArguments: clipping={args.clipping!r} bounds no example's influence, so no "
                             "noise makes it private; it is only for the non-private reference: set noise_multiplier=0 "
                             "(and no target_epsilon), or use clipping='flat'.")

@@ -1,7 +1,7 @@
 """The privacy plan of a `DPTrainer` run, made from `DPTrainingArguments` before the first step: the logical
 batch, the phases (one, or a linear probe then a fine-tune) and their σ, calibrated so that the whole planned
-run spends exactly the target ε (a frozen `PrivacyPlan`; the run's `PrivacyLedger` then counts its steps); and
-the check that a checkpoint's ledger belongs to the same plan.
+run spends exactly the target ε, or meets a target attack rate (a frozen `PrivacyPlan`; the run's `PrivacyLedger`
+then counts its steps); and the check that a checkpoint's ledger belongs to the same plan.
 
 Example:
     >>> from hf_dp_repr import DPTrainingArguments
@@ -20,13 +20,15 @@ import math
 import torch
 
 from ..errors import DPConfigError
-from ..privacy.accounting import calibrate_last_phase, calibrate_noise_multiplier
+from ..privacy.accounting import calibrate_for_attack, calibrate_last_phase, calibrate_noise_multiplier
+from ..privacy.attack_rates import AttackTarget
 from ..privacy.engine import EngineOptions
 from ..privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
 from .arguments import DPTrainingArguments
 
 # Plan fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
-RESUME_INVARIANTS = ("accountant", "target_delta", "phases", "per_sample_max_grad_norm", "clipping", "dataset_size",
+RESUME_INVARIANTS = ("accountant", "target_delta", "target_attack_tpr_at_fpr", "phases", "per_sample_max_grad_norm",
+                     "clipping", "dataset_size",
                      "world_size", "neighboring", "randomness", "privacy_unit")
 
 
@@ -51,9 +53,12 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
     steps_per_epoch = max(1, n // batch)
     planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
     eps, delta, acc, rel = args.target_epsilon, args.target_delta, args.accountant, args.neighboring
+    attack = args.target_attack_tpr_at_fpr
     if not args.lp_steps:
         sigma = args.noise_multiplier
-        if sigma is None:
+        if attack is not None:
+            sigma = calibrate_for_attack(AttackTarget.parse(attack), [], batch / n, planned, rel)
+        elif sigma is None:
             sigma = calibrate_noise_multiplier(eps, delta, batch / n, planned, acc, rel)
         phases = (Phase("train", sigma, batch / n, planned, batch),)
     else:
@@ -65,6 +70,12 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
         q1, q2, ft_steps = lp_batch / n, batch / n, planned - lp_steps
         if args.noise_multiplier is not None:
             sigma1 = sigma2 = args.noise_multiplier
+        elif attack is not None:  # one σ for both phases: there is no ε to split
+            if args.lp_epsilon_fraction is not None:  # set after the arguments were checked (e.g. a sweep)
+                raise DPConfigError(f"DPTrainer: lp_epsilon_fraction={args.lp_epsilon_fraction} splits target_epsilon, "
+                                    "but σ is calibrated for target_attack_tpr_at_fpr: drop lp_epsilon_fraction.")
+            sigma1 = sigma2 = calibrate_for_attack(AttackTarget.parse(attack), [(0.0, q1, lp_steps)], q2, ft_steps,
+                                                   rel, same_sigma=True)
         elif args.lp_epsilon_fraction is None:
             sigma1 = sigma2 = calibrate_last_phase(eps, delta, [(0.0, q1, lp_steps)], q2, ft_steps, acc,
                                                    same_sigma=True, neighboring=rel)
@@ -79,6 +90,7 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
         clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
         target_epsilon=eps, world_size=args.world_size, neighboring=rel,
         randomness="os-entropy" if args.noise_seed is None else "seeded", privacy_unit=args.privacy_unit,
+        target_attack_tpr_at_fpr=None if attack is None else str(AttackTarget.parse(attack)),
     )
 
 
@@ -97,14 +109,17 @@ def check_signal_survives(phases, args: DPTrainingArguments, n: int) -> None:
         ratio = phase.noise_multiplier / max(phase.expected_batch_size, 1)
         if ratio < NOISE_DOMINATED or args.allow_noise_dominated:
             continue
-        budget = f"target_epsilon={args.target_epsilon} over {phase.steps} steps"
+        attack = args.target_attack_tpr_at_fpr
+        target, larger = ((f"target_epsilon={args.target_epsilon}", "target_epsilon") if attack is None else
+                          (f"target_attack_tpr_at_fpr={attack}", "target TPR"))
         raise DPConfigError(
-            f"DPTrainer: phase '{phase.name}': {budget} gives σ={phase.noise_multiplier:.4g} on an expected batch of "
-            f"{phase.expected_batch_size} (of {n}): the noise's std in every coordinate of the averaged update, "
-            f"σ·C/B = {ratio:.3g}·C, is at least {NOISE_DOMINATED:g}× the largest norm the clipped signal can have "
-            "(C), so training would follow noise. Fixes: a larger batch (per_device_train_batch_size × "
-            "gradient_accumulation_steps; σ grows more slowly than the batch), fewer steps (max_steps / "
-            "num_train_epochs), or a larger target_epsilon; set allow_noise_dominated=True to train anyway.")
+            f"DPTrainer: phase '{phase.name}': {target} over {phase.steps} steps gives σ={phase.noise_multiplier:.4g} "
+            f"on an expected batch of {phase.expected_batch_size} (of {n}): the noise's std in every coordinate of "
+            f"the averaged update, σ·C/B = {ratio:.3g}·C, is at least {NOISE_DOMINATED:g}× the largest norm the "
+            "clipped signal can have (C), so training would follow noise. Fixes: a larger batch "
+            "(per_device_train_batch_size × gradient_accumulation_steps; σ grows more slowly than the batch), fewer "
+            f"steps (max_steps / num_train_epochs), or a larger {larger}; set allow_noise_dominated=True to train "
+            "anyway.")
 
 
 def engine_options(args: DPTrainingArguments, sharded: bool = False) -> EngineOptions:
@@ -139,8 +154,9 @@ def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int
 
 # ---- what a resume may and may not change ---------------------------------------------------------------
 # Arguments the plan is made of (with the dataset size and the number of processes).
-PLAN_ARGUMENTS = ("target_epsilon", "target_delta", "noise_multiplier", "accountant", "neighboring",
-                  "per_sample_max_grad_norm", "clipping", "poisson_sampling", "noise_seed", "privacy_unit",
+PLAN_ARGUMENTS = ("target_epsilon", "target_attack_tpr_at_fpr", "target_delta", "noise_multiplier", "accountant",
+                  "neighboring", "per_sample_max_grad_norm", "clipping", "poisson_sampling", "noise_seed",
+                  "privacy_unit",
                   "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
                   "lp_steps", "lp_epsilon_fraction", "lp_per_device_train_batch_size")
 # What trains: the checkpoint's optimizer state holds these parameters and no others.

@@ -88,6 +88,8 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
         logger.warning("DPTrainer: poisson_sampling=False. Batches are shuffled and fixed-size; the ε reported "
                        "is computed as if they were Poisson-sampled and is NOT a proven guarantee.")
     target = f"target ε={led.target_epsilon}" if led.target_epsilon is not None else "σ given"
+    if led.target_attack_tpr_at_fpr is not None:
+        target = f"target_attack_tpr_at_fpr={led.target_attack_tpr_at_fpr}"
     lines = [f"DP-SGD plan ({target}, δ={led.target_delta:g}, {led.neighboring} neighbours, accountant="
              f"{led.accountant}, noise and batches from {led.randomness}, clipping={led.clipping} "
              f"C={led.per_sample_max_grad_norm}, unit of privacy: {describe_unit(led.privacy_unit)}, "

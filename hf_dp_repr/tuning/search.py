@@ -55,8 +55,8 @@ TUNING_DATA = ("public", "held_out", "private")
 SCHEDULE_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps",
                  "lp_steps", "lp_epsilon_fraction", "lp_per_device_train_batch_size")
 # Arguments that define the guarantee: a search over them would compare runs with different guarantees.
-FORBIDDEN_KEYS = ("target_epsilon", "target_delta", "noise_multiplier", "accountant", "neighboring",
-                  "poisson_sampling", "noise_seed", "secure_mode", "seed")
+FORBIDDEN_KEYS = ("target_epsilon", "target_attack_tpr_at_fpr", "target_delta", "noise_multiplier", "accountant",
+                  "neighboring", "poisson_sampling", "noise_seed", "secure_mode", "seed")
 SCOPE_KEY = "trainable_scope"  # "all", an int k (trainable_blocks=k) or a trainable_groups spec
 
 
