@@ -96,3 +96,28 @@ def test_a_truncated_safetensors_file_is_named_with_the_fix(tmp_path):
     assert f"cannot read {weights} (100 bytes)" in message and "invalid header length" in message
     assert "truncated or corrupted" in message and "save or copy the model again" in message
     assert isinstance(err.value, OSError) and not out.exists()
+
+
+class _FeatureProbe(torch.nn.Module):
+    """A plain torch module (no `main_input_name`), as a linear probe on cached features is."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = torch.nn.Linear(4, 3)
+
+    def forward(self, features, labels=None):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.classifier(features)
+        return SequenceClassifierOutput(loss=torch.nn.functional.cross_entropy(logits, labels), logits=logits)
+
+
+def test_a_plain_module_is_checked_against_its_own_forward_inputs(tmp_path):
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"features": torch.randn(40, 4).tolist(), "labels": [i % 3 for i in range(40)]})
+    trainer = DPTrainer(model=_FeatureProbe(), args=_args(tmp_path), train_dataset=rows.with_format("torch"))
+    check_train_inputs(trainer)  # seen failing before: "the collated batch has no `input_ids`"
+    trainer.train_dataset = rows.rename_column("features", "x").with_format("torch")
+    with pytest.raises(DPConfigError, match=r"_FeatureProbe.forward takes features, labels.*no `features`"):
+        check_train_inputs(trainer)

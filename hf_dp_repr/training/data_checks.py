@@ -164,10 +164,12 @@ def check_batch_inputs(model, batch: Mapping, columns: list[str] | None, remove_
     """Refuse a collated batch without the model's main input (e.g. `pixel_values`, `input_ids`) or without `labels`,
     naming the dataset's columns, what forward takes and the rename that fixes it."""
     base = base_model(model)
-    main = getattr(base, "main_input_name", "input_ids")
     takes = forward_inputs(model)
-    missing = [name for name, ok in ((main, main in batch or "inputs_embeds" in batch), (LABELS, LABELS in batch))
-               if not ok]
+    # a transformers model names its main input; a plain nn.Module's batch needs one of its forward's inputs
+    main = getattr(base, "main_input_name", None) or next((t for t in takes if t != LABELS), "input_ids")
+    has_main = main in batch or "inputs_embeds" in batch or (
+        not hasattr(base, "main_input_name") and any(k in takes and k != LABELS for k in batch))
+    missing = [name for name, ok in ((main, has_main), (LABELS, LABELS in batch)) if not ok]
     if not missing:
         return
     name = missing[0]
