@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -178,8 +179,12 @@ def main(argv=None) -> None:
     parser.add_argument("--ema_decay", type=float)
     parser.add_argument("--augmentation_multiplicity", type=int)
     parser.add_argument("--probe_preconditioning")
-    parser.add_argument("recipe_args", nargs="*", help="more recipe arguments after --, e.g. -- --learning_rate 0.01")
-    args = parser.parse_args(argv)
+    # more recipe arguments after --, e.g. -- --learning_rate 0.01 (split off by hand: argparse's positional nargs="*"
+    # is matched, empty, right after `what`, so it never takes them)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.recipe_args = argv[cut + 1:]
     torch.set_num_threads(1)
     techniques = available({name: getattr(args, name) for name in TECHNIQUES})
     start = time.time()
