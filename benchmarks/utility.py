@@ -9,7 +9,8 @@ fresh-noise runs, settings chosen on validation data, never on the test split. N
     python benchmarks/utility.py proxy --runs 3 --learning_rates 3  # the chosen one, on test
 
 Techniques (each a flag; skipped with a message while `DPTrainingArguments` has no such argument):
-`--ema_decay D` (weight averaging), `--augmentation_multiplicity K` (needs a random transform on the training set),
+`--ema_decay D` (weight averaging), `--augmentation_multiplicity K` (needs a random transform on the training set;
+for the demo, `-- --train_augmentation random_shift`),
 `--probe_preconditioning P` (linear-probe input statistics fitted on public data only).
 
 Demo (`demo`): the embedded default of `make demo` (recipes/configs/demo_digits.yaml: a tiny ViT pre-trained on
@@ -30,6 +31,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -101,18 +103,19 @@ def run_demo(args, techniques: dict) -> dict:
             "non_private": ["--noise_multiplier", "0"]}
     acc = {name: [] for name in ["public_only", *runs]}
     with tempfile.TemporaryDirectory() as tmp:
+        public_dir = args.public_model_dir or f"{tmp}/public"
         for r in range(args.runs):
             for name, differs in runs.items():
                 if name not in args.rows:
                     continue
                 t0 = time.time()
                 metrics = recipe.main(["--config", args.config, "--output_dir", f"{tmp}/{name}-{r}",
-                                       "--public_model_dir", f"{tmp}/public", "--analyze_representations", "false",
+                                       "--public_model_dir", public_dir, "--analyze_representations", "false",
                                        "--overwrite_output_dir", "true", *differs, *extra])
                 acc[name].append(metrics["eval_accuracy"])
                 print(f"run {r + 1}/{args.runs} {name}: {100 * metrics['eval_accuracy']:.1f} % "
                       f"({time.time() - t0:.0f} s)", flush=True)
-        acc["public_only"] = [demo_public_only(f"{tmp}/public", args.split, args.validation_fraction,
+        acc["public_only"] = [demo_public_only(public_dir, args.split, args.validation_fraction,
                                                float(config.get("public_fraction", 0.5)), int(config.get("seed", 0)))]
     return {k: v for k, v in acc.items() if v}
 
@@ -167,6 +170,8 @@ def main(argv=None) -> None:
     parser.add_argument("--split", choices=["test", "validation"], default="test")
     parser.add_argument("--validation_fraction", type=float, default=0.2)
     parser.add_argument("--config", default="recipes/configs/demo_digits.yaml")
+    parser.add_argument("--public_model_dir", help="demo: keep the public model here and reuse it across invocations "
+                        "(the recipe retrains it when its settings differ); default: a temporary folder")
     parser.add_argument("--rows", nargs="+", default=["dp_eps1", "dp_eps8", "non_private"], help="demo rows")
     parser.add_argument("--norms", nargs="+", default=["raw", "pca32"], help="proxy: feature maps (raw, pcaK, ...)")
     parser.add_argument("--learning_rates", nargs="+", type=float, default=[1.0, 3.0, 10.0], help="proxy")
@@ -174,8 +179,12 @@ def main(argv=None) -> None:
     parser.add_argument("--ema_decay", type=float)
     parser.add_argument("--augmentation_multiplicity", type=int)
     parser.add_argument("--probe_preconditioning")
-    parser.add_argument("recipe_args", nargs="*", help="more recipe arguments after --, e.g. -- --learning_rate 0.01")
-    args = parser.parse_args(argv)
+    # more recipe arguments after --, e.g. -- --learning_rate 0.01 (split off by hand: argparse's positional nargs="*"
+    # is matched, empty, right after `what`, so it never takes them)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.recipe_args = argv[cut + 1:]
     torch.set_num_threads(1)
     techniques = available({name: getattr(args, name) for name in TECHNIQUES})
     start = time.time()

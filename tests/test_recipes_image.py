@@ -137,3 +137,44 @@ def test_npz_classes_are_declared(tmp_path):
                                                       seed=0)
     assert data["train"].features[label_col].names == ["r", "g", "b"]
     assert not (tmp_path / "o").exists()
+
+
+def test_train_augmentation_transforms_the_private_training_set_only(tmp_path, monkeypatch):
+    """--train_augmentation random_shift: the DP training set reads a fresh shift at every read (what
+    augmentation_multiplicity averages), reproducible from the views' public seeding; evaluation and public rows
+    (the public ones: probe_preconditioning's statistics) are untouched."""
+    import torch
+
+    from hf_dp_repr.privacy.augmentation import ViewsDataset
+
+    given = {}
+
+    class Built(Exception):
+        pass
+
+    def trainer(**kwargs):  # stands in for DPTrainer: what the recipe would train on
+        given.update(kwargs)
+        raise Built
+
+    def untrained_public_model(model, public, save_dir, **kwargs):  # the public training is not what is tested
+        model.save_pretrained(save_dir)
+        return save_dir
+
+    monkeypatch.setattr(image_recipe, "DPTrainer", trainer)
+    monkeypatch.setattr(ru, "pretrain_on_public", untrained_public_model)
+    with pytest.raises(Built):
+        image_recipe.main(["--output_dir", str(tmp_path / "o"), "--public_model_dir", str(tmp_path / "public"),
+                           "--noise_multiplier", "1", "--target_delta", "1e-4", "--max_steps", "2",
+                           "--public_fraction", "0.1", "--public_epochs", "1", "--trainable_blocks", "0",
+                           "--train_augmentation", "random_shift", "--augmentation_multiplicity", "4",
+                           "--probe_preconditioning", "standardize",
+                           "--report_to", "none", "--disable_tqdm", "true"])
+    train, evals, public = given["train_dataset"], given["eval_dataset"], given["public_train_dataset"]
+    raw = train.with_format("torch")[:16]["pixel_values"]
+    first, second = (torch.stack([train[i]["pixel_values"] for i in range(16)]) for _ in range(2))
+    assert first.shape == raw.shape == (16, 1, 8, 8) and not torch.equal(first, second)  # a new draw per read
+    assert not torch.equal(first, raw) and torch.equal(train[0]["labels"], train.with_format("torch")[0]["labels"])
+    views = ViewsDataset(train, seed=0)
+    assert torch.equal(views[(3, (0, 1, 3, 2))]["pixel_values"], views[(3, (0, 1, 3, 2))]["pixel_values"])
+    assert evals.format["type"] == public.format["type"] == "torch"  # no transform: the rows as they are
+    assert torch.equal(evals[0]["pixel_values"], evals[0]["pixel_values"])

@@ -216,3 +216,45 @@ def shift_images(dataset, shift: str):
     fn = PUBLIC_SHIFTS[shift]
     return dataset.map(lambda b: {"pixel_values": fn(b["pixel_values"])}, batched=True,
                        desc=f"public images: {shift}").with_format("torch")
+
+
+# ---- a random augmentation of the private training images ----------------------------------------------------------
+def _random_shift(x):
+    """Each image of `x` (N, C, H, W) moved by -1, 0 or +1 pixel along each axis (edge pixels repeated), the offsets
+    drawn from torch's global generator (which `augmentation_multiplicity` seeds per view: privacy.augmentation)."""
+    import torch
+
+    n, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="replicate")
+    dy, dx = torch.randint(0, 3, (2, n)).tolist()
+    return torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+
+
+TRAIN_AUGMENTATIONS = {"none": None, "random_shift": _random_shift}  # name → random map of pixel values (N, C, H, W)
+
+
+def augment_images(dataset, augmentation: str):
+    """`dataset` with `TRAIN_AUGMENTATIONS[augmentation]` as its transform (`Dataset.with_transform`): a new random
+    draw every time a row is read, so features are not cached (the linear probe then runs the backbone every step).
+
+        >>> import torch
+        >>> from datasets import Dataset
+        >>> ds = Dataset.from_dict({"pixel_values": [torch.randn(1, 8, 8).tolist()], "labels": [3]})
+        >>> row = augment_images(ds, "random_shift")[0]
+        >>> tuple(row["pixel_values"].shape), int(row["labels"])
+        ((1, 8, 8), 3)
+    """
+    if augmentation not in TRAIN_AUGMENTATIONS:
+        raise DPConfigError(f"train augmentation {augmentation!r}: choose one of {sorted(TRAIN_AUGMENTATIONS)}")
+    fn = TRAIN_AUGMENTATIONS[augmentation]
+    if fn is None:
+        return dataset
+
+    def transform(batch):
+        import torch
+
+        out = {k: torch.as_tensor(v) for k, v in batch.items()}
+        out["pixel_values"] = fn(out["pixel_values"].float())
+        return out
+
+    return dataset.with_transform(transform)

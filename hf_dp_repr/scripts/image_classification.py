@@ -38,6 +38,7 @@ import torch
 
 from hf_dp_repr.data import DIGITS, load_embedded
 from hf_dp_repr.data.images import (
+    augment_images,
     image_processor_for,
     load_npz,
     per_class_indices,
@@ -48,6 +49,7 @@ from hf_dp_repr.data.images import (
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.scope.preconditioning import parse_preconditioning
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
@@ -90,6 +92,11 @@ class ImageArguments(AnalysisArguments, PublicPretrainingArguments, Classificati
         "help": "Evaluate on this share of the private training rows, held out from training, instead of the eval "
                 "split: choose settings on it, never on the test split. Its metrics are computed on private data "
                 "outside DP-SGD, and choosing settings by them is not covered by the reported ε."})
+    train_augmentation: str = field(default="none", metadata={
+        "help": "A random transform of the private training images only, drawn anew at every read (what "
+                "augmentation_multiplicity=k averages k views of): none, random_shift (each image moved by up to one "
+                "pixel along each axis; hf_dp_repr.data.images.TRAIN_AUGMENTATIONS). Turns off feature caching of "
+                "the linear probe, so the run is slower."})
 
 
 ARGUMENT_TYPES = (ImageArguments, DPTrainingArguments)
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     public_fraction = margs.resolved_public_fraction(ru.is_tiny(model_name))
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
+    train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
@@ -152,9 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
                        if margs.validation_fraction else
                        f"the '{margs.eval_split}' split ({len(data['eval'])} examples, not trained on)"),
     )
+    # probe_preconditioning's statistics come from the public images (no public phase: public_max_steps stays 0)
+    stats_source = public if parse_preconditioning(targs.probe_preconditioning)[0] != "none" else None
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
                         data_collator=collate, compute_metrics=ru.accuracy_metrics(), callbacks=callbacks,
-                        processing_class=processor, model_card_info=card_info)  # saved with the model
+                        processing_class=processor, model_card_info=card_info,  # saved with the model
+                        public_train_dataset=stats_source)
     result = ru.train(trainer, margs.overwrite_output_dir)
     split = ru.split_record("image", source, public_fraction, targs.seed, len(train), len(data["eval"]))
     return ru.finish_run(trainer, result, margs, push=push, split=split)
