@@ -23,8 +23,7 @@ def _args(out, world, sharded, **kw):
                 learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, report_to="none",
                 disable_tqdm=True, seed=0, noise_seed=11, target_delta=1e-4, per_sample_max_grad_norm=0.5,
                 save_strategy="no")
-    base.update(kw)
-    return DPTrainingArguments(**(FSDP if sharded else {}), **base)
+    return DPTrainingArguments(**{**(FSDP if sharded else {}), **base, **kw})
 
 
 class EmptyCounter(DPTrainer):
@@ -110,15 +109,18 @@ def views_run(out, world: int, sharded: bool = True):
 
 def probe_run(out, world: int, sharded: bool = True):
     """σ = 0, 2 steps of a linear probe (a tiny ViT's head) on 32 digits, its input preconditioned with 'pca:4'
-    fitted on 100 other, unlabelled digits, its iterates averaged (ema_decay=0.5); saved to `out`. Returns the
-    trainer."""
+    fitted on 100 other, unlabelled digits, its iterates averaged (ema_decay=0.5), evaluated after each step; saved
+    to `out`. Sharded with reshard_after_forward=False: a forward without backward (the public set's, evaluations)
+    leaves the gathered weights on the modules. Returns the trainer."""
     from hf_dp_repr.data import load_digits_dataset
     from hf_dp_repr.tiny import tiny_vit
 
     rows = load_digits_dataset()["train"]
+    kept_gathered = {"fsdp_config": {"fsdp_version": 2, "reshard_after_forward": False}} if sharded else {}
     args = _args(out, world, sharded, noise_multiplier=0.0, max_steps=2, trainable_blocks=0, learning_rate=0.5,
-                 probe_preconditioning="pca:4", ema_decay=0.5)
+                 probe_preconditioning="pca:4", ema_decay=0.5, eval_strategy="steps", eval_steps=1, **kept_gathered)
     trainer = DPTrainer(model=tiny_vit(seed=0), args=args, train_dataset=rows.select(range(32)),
+                        eval_dataset=rows.select(range(32, 40)),
                         public_train_dataset=rows.select(range(1000, 1100)).remove_columns("labels"))
     trainer.train()
     trainer.save_model()

@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -418,9 +419,12 @@ CHECKS = {
 
 def main():
     """Every check, or those named after OUT_DIR (to rerun one by hand)."""
+    seconds = RESULTS["seconds"] = {}  # each check's wall time on rank 0 (what a check adds to the launch)
     for name, check in CHECKS.items():
         if name in (sys.argv[2:] or CHECKS):
+            start = time.perf_counter()
             RESULTS[name] = check()
+            seconds[name] = round(time.perf_counter() - start, 2)
     if R == 0:
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "results.json"), "w") as f:

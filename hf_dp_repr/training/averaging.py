@@ -45,6 +45,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from ..errors import CheckpointMismatchError, DPConfigError
+from ..privacy.sharding import reshard
 from ..scope.shards import assign, whole
 from . import TRAINER_LOGGER
 
@@ -80,10 +81,13 @@ def decay_at(decay: float, t: int) -> float:
 class WeightAverage:
     """The exponential moving average of `params` (name → live parameter), with the warm-up of `decay_at`."""
 
-    def __init__(self, decay: float, params: dict[str, torch.nn.Parameter]):
+    def __init__(self, decay: float, params: dict[str, torch.nn.Parameter], settle=None):
         self.decay, self.params, self.updates = decay, params, 0
         self.average = {n: p.detach().clone() for n, p in params.items()}
         self.raw: dict[str, torch.Tensor] | None = None  # after `release`: the last raw iterate
+        # called before values are copied into the parameters: a sharded model's modules drop the weights a forward
+        # left gathered on them (FSDP2 with reshard_after_forward=False), which the next forward would use instead
+        self.settle = settle or (lambda: None)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -104,6 +108,7 @@ class WeightAverage:
 
     @torch.no_grad()
     def _copy_in(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.settle()
         before = {n: p.detach().clone() for n, p in self.params.items()}
         for name, p in self.params.items():
             p.copy_(values[name])
@@ -131,6 +136,7 @@ class WeightAverage:
                 f"DPTrainer: the checkpoint's weight average ({len(raw)} tensors) is not of what this run trains "
                 f"({len(self.params)} tensors, same names and shapes); resume with the same scope, or start a new run.")
         self.average = {n: p.detach().clone() for n, p in self.params.items()}  # sharded as the parameters
+        self.settle()
         for name, p in self.params.items():
             assign(p, raw[name])  # a DTensor: scattered into its shards (every rank calls this)
         self.updates = int(state["updates"])
@@ -175,7 +181,7 @@ class DPAveragingMixin:
             return
         trained = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         params = {n: p for n, p in self.model.named_parameters() if id(p) in trained}
-        average = WeightAverage(decay, params)
+        average = WeightAverage(decay, params, settle=(lambda: reshard(self.model)) if self.sharded else None)
         if self._pending_average is not None:
             average.restore(self._pending_average)
             self._pending_average = None

@@ -83,12 +83,17 @@ class DPPreconditioningMixin:
         if hasattr(public, "column_names"):
             public = self._remove_unused_columns(public, description="public preconditioning")
         features = public_head_inputs(self.model, head_name, public, self.data_collator, self.args)
-        if self.sharded:  # every rank ran the whole public set; FSDP2's root keeps its weights gathered after it
-            reshard(self.model)
+        self._settle()
         install(self.model, head_name, fit_preconditioner(features, spec))
         self._preconditioned = head_name
         logger.info(f"DPTrainer: probe_preconditioning={spec!r} fitted on {len(features)} public rows; the probe "
                     f"trains on {self.model.get_submodule(head_name)[0].dims} inputs.")
+
+    def _settle(self) -> None:
+        """Sharded: the head's module holds its DTensors again (a forward without backward, e.g. on the public set or
+        an evaluation with reshard_after_forward=False, leaves the gathered weights on the modules)."""
+        if self.sharded:
+            reshard(self.model)
 
     @contextlib.contextmanager
     def _folded(self):
@@ -97,6 +102,7 @@ class DPPreconditioningMixin:
         if name is None:
             yield
             return
+        self._settle()
         head = self.model.get_submodule(name)[1]
         kept = [p.detach().clone() for p in head.parameters()]  # (sharded: clones of this rank's shards)
         pre, head = remove(self.model, name)
@@ -111,6 +117,7 @@ class DPPreconditioningMixin:
     def finish_preconditioning(self) -> None:
         """The end of train(): the model's head is plain again, the preconditioning folded into it."""
         if self._preconditioned is not None:
+            self._settle()
             remove(self.model, self._preconditioned)
             self._preconditioned = None
 
