@@ -320,10 +320,15 @@ def test_a_sharded_resume_from_a_checkpoint_missing_a_tensor_is_refused(one_rank
 def test_a_sharded_run_resumes_exactly_whatever_its_optimizer_state(optim, state, one_rank_group, tmp_path):
     """Plain SGD keeps no state: the resume failed in torch's set_optimizer_state_dict ('Expected device to be
     set'). Every optimizer, with an empty state or not, resumes to the weights and ε of the run straight through
-    (checked with 2 gloo processes too, by hand: plain SGD and SGD with momentum, max |Δw| = 0, the same ε)."""
+    (checked with 2 gloo processes too, by hand: plain SGD and SGD with momentum, max |Δw| = 0, the same ε). The
+    plain SGD case also keeps the weights gathered after forward (reshard_after_forward=False): the forward of train()'s
+    start-of-training probe left them on the modules, and loading the checkpoint into them failed (mixed Tensor and
+    DTensor)."""
     from sharded_runs import gpt2_run
 
     kw = {"optim": optim, "optim_args": "momentum=0.9" if state == "momentum" else None}
+    if state == "empty":
+        kw["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": False}
     straight, weights = gpt2_run(tmp_path / "straight", 1, **kw)
     resumed, again = gpt2_run(tmp_path / "resumed", 1, resume=str(tmp_path / "straight" / "checkpoint-1"), **kw)
     assert all(torch.equal(again[n], weights[n]) for n in weights)
