@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -258,24 +259,30 @@ def check_one_unit():
 
 
 # ---- 4. DPTrainer: fsdp=True, checkpoints, resume, LP→FT, LoRA, a model sharded at load ----------------------
+EMA_DECAY = 0.9
+
+
 def check_trainer():
     """The Trainer's switch end to end (tiny GPT-2, tied, AdamW, σ > 0 with noise_seed, accumulation 2, a checkpoint
-    each step), then a resume from checkpoint-1: the same weights and ε as straight through."""
+    each step, ema_decay: what is saved is the average), then a resume from checkpoint-1: the same weights and ε as
+    straight through."""
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    from sharded_runs import gpt2_run
+    from sharded_runs import Iterates, gpt2_run
 
-    out = os.path.join(OUT, "gpt2")
-    trainer, weights = gpt2_run(out, W)
+    out, iterates = os.path.join(OUT, "gpt2"), Iterates()
+    trainer, weights = gpt2_run(out, W, ema_decay=EMA_DECAY, callbacks=[iterates])
     model = trainer.model
     result = {"wrapped": type(trainer.model_wrapped).__name__, "epsilon": trainer.epsilon(),
               "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
               "tied": model.lm_head.weight is model.transformer.wte.weight,
               "reduction": trainer.engine.options.reduction}
-    resumed, again = gpt2_run(os.path.join(OUT, "gpt2_resumed"), W, resume=os.path.join(out, "checkpoint-1"))
+    resumed, again = gpt2_run(os.path.join(OUT, "gpt2_resumed"), W, resume=os.path.join(out, "checkpoint-1"),
+                              ema_decay=EMA_DECAY)
     result["resume_max_diff"] = max((again[n] - weights[n]).abs().max().item() for n in weights)
     result["resume_epsilon"] = resumed.epsilon()
+    result["ema"] = check_average(trainer, resumed, iterates.seen, out)
     if R == 0:
         saved = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final"))
         result["saved_max_diff"] = max((p - weights[n]).abs().max().item() for n, p in saved.named_parameters())
@@ -352,17 +359,72 @@ def check_loaded_sharded():
             "reduction": trainer.engine.options.reduction, "steps": trainer.ledger.steps_done}
 
 
+def check_average(trainer, resumed, iterates: list[dict], out: str) -> dict:
+    """ema_decay sharded, on check_trainer's runs (σ > 0): the average is sharded as the parameters; what is saved
+    (the final model, checkpoint-1's model file) is the average of the whole iterates computed by hand, checkpoint-1
+    holds the raw iterate whole, and the resumed run ends with the straight run's raw iterate."""
+    from safetensors.torch import load_file
+
+    from hf_dp_repr.scope.shards import whole
+    from hf_dp_repr.training.averaging import AVERAGE_FILE, decay_at
+
+    raws = [{n: whole(t) for n, t in run.weight_average.raw.items()} for run in (trainer, resumed)]
+    result = {"all_dtensor": all(isinstance(t, DTensor) for t in trainer.weight_average.average.values()),
+              "resume_raw_diff": max((raws[1][n] - raws[0][n]).abs().max().item() for n in raws[0])}
+    if R != 0:
+        return result
+    seen = [{n: w.double() for n, w in step.items()} for step in iterates]
+    hand = [seen[0]]
+    for t, theta in enumerate(seen[1:]):
+        d = decay_at(EMA_DECAY, t)
+        hand.append({n: d * hand[-1][n] + (1 - d) * theta[n] for n in theta})
+
+    def off(saved, want):  # the largest difference over the tensors of `want` that `saved` holds, relative
+        return max((saved[n].double() - want[n]).abs().max().item() for n in want if n in saved) / max(
+            w.abs().max().item() for w in want.values())
+
+    checkpoint = os.path.join(out, "checkpoint-1")
+    raw = torch.load(os.path.join(checkpoint, AVERAGE_FILE), weights_only=True)["raw"]
+    result.update(steps=len(seen) - 1, saved_vs_hand=off(load_file(os.path.join(out, "final", "model.safetensors")),
+                                                          hand[2]),
+                  checkpoint_vs_hand=off(load_file(os.path.join(checkpoint, "model.safetensors")), hand[1]),
+                  checkpoint_raw_vs_iterate=off(raw, seen[1]), raw_vs_last_iterate=off(raws[0], seen[2]),
+                  average_vs_last_iterate=off(hand[2], seen[2]))
+    return result
+
+
+# ---- 5. augmentation_multiplicity and probe_preconditioning (issue 31) ------------------------------------------
+def check_accuracy_arguments():
+    """σ = 0: the final weights of the views run and of the preconditioned probe (with ema_decay), which
+    tests/test_sharding.py compares with the same runs in one unsharded process."""
+    from sharded_runs import full_weights, probe_run, views_run
+
+    views = views_run(os.path.join(OUT, "views"), W)
+    probe = probe_run(os.path.join(OUT, "probe"), W)
+    probe_weights = full_weights(probe.model)
+    if R == 0:
+        torch.save({"views": views, "probe": probe_weights}, os.path.join(OUT, "accuracy.pt"))
+    return {"probe_head_sharded": isinstance(probe.model.classifier.weight, DTensor)}
+
+
+CHECKS = {
+    "trainer": check_trainer, "lp_ft": check_lp_ft, "lora": check_lora, "loaded_sharded": check_loaded_sharded,
+    "exact": lambda: {kind: check_exact(kind) for kind in ("gpt2", "llama", "vit", "gpt2_lora", "vit_lp")},
+    "modes": lambda: {mode: check_exact("gpt2", mode) for mode in ("per_layer", "automatic")},
+    "float64": lambda: {kind: check_exact_float64(kind) for kind in ("gpt2", "llama", "vit")},
+    "noise": check_noise, "one_example": check_one_example, "one_unit": check_one_unit,
+    "accuracy": check_accuracy_arguments,
+}
+
+
 def main():
-    RESULTS["trainer"] = check_trainer()
-    RESULTS["lp_ft"] = check_lp_ft()
-    RESULTS["lora"] = check_lora()
-    RESULTS["loaded_sharded"] = check_loaded_sharded()
-    RESULTS["exact"] = {kind: check_exact(kind) for kind in ("gpt2", "llama", "vit", "gpt2_lora", "vit_lp")}
-    RESULTS["modes"] = {mode: check_exact("gpt2", mode) for mode in ("per_layer", "automatic")}
-    RESULTS["float64"] = {kind: check_exact_float64(kind) for kind in ("gpt2", "llama", "vit")}
-    RESULTS["noise"] = check_noise()
-    RESULTS["one_example"] = check_one_example()
-    RESULTS["one_unit"] = check_one_unit()
+    """Every check, or those named after OUT_DIR (to rerun one by hand)."""
+    seconds = RESULTS["seconds"] = {}  # each check's wall time on rank 0 (what a check adds to the launch)
+    for name, check in CHECKS.items():
+        if name in (sys.argv[2:] or CHECKS):
+            start = time.perf_counter()
+            RESULTS[name] = check()
+            seconds[name] = round(time.perf_counter() - start, 2)
     if R == 0:
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "results.json"), "w") as f:

@@ -10,7 +10,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.errors import DataError, DPConfigError, UnsupportedError
+from hf_dp_repr.errors import DataError, DPConfigError
 from hf_dp_repr.privacy.augmentation import ViewsDataset
 from hf_dp_repr.tiny import tiny_vit
 from utils import CaptureUpdate  # p.grad right after the first DP step: the clipped, noised sum / expected batch
@@ -88,6 +88,23 @@ def test_views_are_reproducible_from_the_seed_and_leave_the_global_generators_al
     assert random.getstate() == states[2]
 
 
+def test_a_row_gets_the_same_views_however_its_step_is_split_over_micro_batches_and_processes():
+    """The views' key is (epoch, step, row, view): the same for one process and for each rank of two (a sharded run
+    compares with one process in tests/test_sharding.py); keyed by micro-batch, rows of a step that a rank's split
+    puts in another micro-batch got other views."""
+    from hf_dp_repr.privacy.augmentation import ViewsBatchSampler
+    from hf_dp_repr.privacy.sampler import PoissonBatchSampler
+
+    def keys(world, rank):
+        batches = PoissonBatchSampler(num_samples=200, sample_rate=0.1, steps_per_epoch=4, micro_batches_per_step=3,
+                                      world_size=world, rank=rank, seed=7)
+        batches.set_epoch(2)
+        return {key for micro_batch in ViewsBatchSampler(batches, 2) for key in micro_batch}
+
+    one = keys(1, 0)
+    assert len(one) > 50 and one == keys(2, 0) | keys(2, 1)
+
+
 def test_replacing_one_example_moves_the_clipped_sum_by_at_most_2c_whatever_its_views(rows, tmp_path):
     """Adversarial views: each view scaled by a random factor up to 1000 (every view's gradient far above C, all
     pointing the same way); a full batch (q = 1), no noise, so the update is the clipped sum / n."""
@@ -135,5 +152,3 @@ def test_what_cannot_work_is_refused_before_any_work(rows, tmp_path):
         DPTrainingArguments(augmentation_multiplicity=0, **common)
     with pytest.raises(DPConfigError, match="cannot be cached"):
         DPTrainingArguments(augmentation_multiplicity=2, cache_features=True, trainable_blocks=0, **common)
-    with pytest.raises(UnsupportedError, match="FSDP2"):
-        DPTrainingArguments(augmentation_multiplicity=2, fsdp="full_shard", **common)

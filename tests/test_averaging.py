@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.errors import CheckpointMismatchError, DPConfigError, UnsupportedError
+from hf_dp_repr.errors import CheckpointMismatchError, DPConfigError
 from hf_dp_repr.tiny import tiny_vit
 from hf_dp_repr.training.averaging import AVERAGE_FILE, decay_at
 
@@ -127,12 +127,6 @@ def test_resume_with_another_ema_decay_is_refused(data, tmp_path):
 def test_an_ema_decay_out_of_range_is_refused(decay):
     with pytest.raises(DPConfigError, match="ema_decay"):
         DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, ema_decay=decay, report_to="none")
-
-
-def test_ema_decay_with_fsdp_is_refused_before_any_work():
-    with pytest.raises(UnsupportedError, match="ema_decay"):
-        DPTrainingArguments(output_dir="unused", noise_multiplier=1.0, ema_decay=0.9, fsdp="full_shard",
-                            report_to="none")
 
 
 COMBINATIONS = {

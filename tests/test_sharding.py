@@ -9,7 +9,8 @@ Slow, ONE launch of 2 gloo processes (tests/sharded_worker.py writes results.jso
 instead of hanging): σ = 0 updates equal the brute-force clipped sum (GPT-2 tied, Llama, ViT, LoRA, linear probe;
 flat, per_layer, automatic; accumulation; an empty micro-batch on a rank), noise std σC/L per coordinate, one example
 and one unit of several rows move the update by C/L at most, DPTrainer end to end with checkpoints and an exact
-resume, and the 1-process and 2-process runs equal with noise off."""
+resume (with ema_decay: the released average), the 1-process and 2-process runs equal with noise off, and so do
+augmentation_multiplicity and probe_preconditioning runs."""
 
 import copy
 import json
@@ -197,6 +198,51 @@ def test_two_processes_dp_trainer_checkpoints_and_resume(two_processes):
 
 
 @pytest.mark.slow
+def test_two_processes_release_the_weight_average_and_resume_it_exactly(two_processes):
+    """ema_decay on the 2-process GPT-2 run (σ > 0): the average is sharded as the parameters; the saved model and
+    checkpoint-1's model file are the average of the whole iterates computed by hand (float32 lerp vs float64), the
+    checkpoint's raw iterate is the iterate, and the resume continues both (its final average: resume_max_diff)."""
+    ema = two_processes[0]["trainer"]["ema"]
+    assert ema["all_dtensor"] and ema["steps"] == 2
+    assert ema["saved_vs_hand"] <= 1e-6 and ema["checkpoint_vs_hand"] <= 1e-6
+    assert ema["checkpoint_raw_vs_iterate"] == 0.0 and ema["raw_vs_last_iterate"] == 0.0
+    assert ema["resume_raw_diff"] == 0.0 and two_processes[0]["trainer"]["resume_max_diff"] == 0.0
+    assert ema["average_vs_last_iterate"] > 1e-3  # the average is not the last iterate: the checks tell them apart
+
+
+@pytest.mark.slow
+def test_two_processes_views_and_a_preconditioned_probe_equal_one_unsharded_process(two_processes, tmp_path):
+    """σ = 0: augmentation_multiplicity=3 (each example's 3 views clipped once, on whichever rank holds it) and
+    probe_preconditioning='pca:4' with ema_decay (fitted on public rows by every rank, the sharded head padded, folded
+    whole for the save) give the weights of the same runs in one unsharded process; the saved model predicts as it."""
+    from transformers import ViTForImageClassification
+
+    from hf_dp_repr.data import load_digits_dataset
+    from hf_dp_repr.tiny import tiny_vit
+    from sharded_runs import full_weights, probe_run, views_run
+
+    results, out = two_processes
+    two = torch.load(out / "accuracy.pt", weights_only=True)
+    assert results["accuracy"]["probe_head_sharded"]
+    start = full_weights(tiny_vit(seed=0))
+    views = views_run(tmp_path / "views", 1, sharded=False)
+    assert max((views[n] - start[n]).abs().max().item() for n in views) > 1e-3  # it trained
+    for name in views:
+        torch.testing.assert_close(two["views"][name], views[name], rtol=1e-5, atol=1e-7)
+    probe = probe_run(tmp_path / "probe", 1, sharded=False)
+    one = full_weights(probe.model)
+    assert (one["classifier.weight"] - start["classifier.weight"]).abs().max() > 1e-2  # it trained
+    saved = ViTForImageClassification.from_pretrained(out / "probe")  # a plain model, its head folded
+    for name, p in saved.named_parameters():
+        torch.testing.assert_close(two["probe"][name], one[name], rtol=1e-4, atol=1e-6)
+        assert torch.equal(p, two["probe"][name]), name
+    pixels = load_digits_dataset()["test"].select(range(16))[:]["pixel_values"]
+    with torch.no_grad():
+        torch.testing.assert_close(saved(pixel_values=pixels).logits, probe.model(pixel_values=pixels).logits,
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_one_and_two_processes_give_the_same_weights_with_noise_off(two_processes, one_rank_group, tmp_path):
     from sharded_runs import vit_lp_then_ft
 
@@ -274,10 +320,15 @@ def test_a_sharded_resume_from_a_checkpoint_missing_a_tensor_is_refused(one_rank
 def test_a_sharded_run_resumes_exactly_whatever_its_optimizer_state(optim, state, one_rank_group, tmp_path):
     """Plain SGD keeps no state: the resume failed in torch's set_optimizer_state_dict ('Expected device to be
     set'). Every optimizer, with an empty state or not, resumes to the weights and ε of the run straight through
-    (checked with 2 gloo processes too, by hand: plain SGD and SGD with momentum, max |Δw| = 0, the same ε)."""
+    (checked with 2 gloo processes too, by hand: plain SGD and SGD with momentum, max |Δw| = 0, the same ε). The
+    plain SGD case also keeps the weights gathered after forward (reshard_after_forward=False): the forward of train()'s
+    start-of-training probe left them on the modules, and loading the checkpoint into them failed (mixed Tensor and
+    DTensor)."""
     from sharded_runs import gpt2_run
 
     kw = {"optim": optim, "optim_args": "momentum=0.9" if state == "momentum" else None}
+    if state == "empty":
+        kw["fsdp_config"] = {"fsdp_version": 2, "reshard_after_forward": False}
     straight, weights = gpt2_run(tmp_path / "straight", 1, **kw)
     resumed, again = gpt2_run(tmp_path / "resumed", 1, resume=str(tmp_path / "straight" / "checkpoint-1"), **kw)
     assert all(torch.equal(again[n], weights[n]) for n in weights)

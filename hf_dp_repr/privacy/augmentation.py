@@ -11,7 +11,7 @@ averaged, so the mean of their gradients is what is clipped, once, as one contri
 - Sensitivity: whatever the views (a transform is arbitrary code, possibly adversarial), one example adds at most
   C to the clipped sum, so replacing it moves the sum by at most 2C.
 - Randomness: each view's draws (Python's `random`, numpy's and torch's global generators, which transforms such
-  as torchvision's read) are seeded from (the Trainer's public `seed`, epoch, micro-batch, row, view) inside a fork
+  as torchvision's read) are seeded from (the Trainer's public `seed`, epoch, step, row, view) inside a fork
   of those generators, so views are reproducible from the run's seed and the process's own generators are left as
   they were. They never touch the DP secret (`privacy.randomness`): the guarantee holds for every fixed choice of
   views, so the augmentation needs no secrecy.
@@ -80,8 +80,10 @@ class ViewsDataset(torch.utils.data.Dataset):
 
 class ViewsBatchSampler:
     """Each micro-batch of `batches` (lists of rows) with every row repeated `k` times, as `(row, key)` items for
-    `ViewsDataset`; key = (epoch, micro-batch of the epoch, row, view). `epoch` follows `batches.epoch` (the DP
-    sampler's, set by the trainer at every epoch)."""
+    `ViewsDataset`; key = (epoch, logical step of the epoch, row, view): a row is drawn at most once per step, and
+    its views do not depend on how the step is split into micro-batches and processes (a sharded or multi-process
+    run reads the views a single process reads). `epoch` follows `batches.epoch` and the step
+    `batches.micro_batches_per_step` (the DP sampler's; the trainer sets the epoch at every epoch)."""
 
     def __init__(self, batches, k: int):
         self.batches, self.k = batches, k
@@ -91,5 +93,6 @@ class ViewsBatchSampler:
 
     def __iter__(self):
         epoch = getattr(self.batches, "epoch", 0)
+        per_step = getattr(self.batches, "micro_batches_per_step", 1)
         for b, rows in enumerate(self.batches):
-            yield [(row, (epoch, b, row, view)) for row in rows for view in range(self.k)]
+            yield [(row, (epoch, b // per_step, row, view)) for row in rows for view in range(self.k)]

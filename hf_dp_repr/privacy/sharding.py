@@ -150,6 +150,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's full state dict on rank 0's CPU (empty elsewhere); a collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    reshard(model)  # the sharded parameters, not the weights an evaluation left gathered (reshard_after_forward=False)
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -157,5 +158,6 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     """Fill the sharded `model` from a full state dict held by rank 0 (others pass {}); a collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    reshard(model)  # into the shards, which the next forward gathers (not into weights a forward left gathered)
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                      strict=strict))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import DPConfigError
+from .shards import assign, is_dtensor, whole
 
 PRECONDITIONINGS = ("none", "standardize", "pca:K")
 _EPS = 1e-6  # added to the standard deviations: a constant feature is centred, not blown up
@@ -50,14 +51,21 @@ class Preconditioner(nn.Module):
         self.register_buffer("mean", mean)
         self.register_buffer("scale", scale)
         self.register_buffer("components", components)  # (d, K), or None for standardisation alone
+        self.width: int | None = None  # set: z is padded with zeros to this many features (a sharded head, `install`)
+
+    @property
+    def dims(self) -> int:
+        """K: the features z carries."""
+        return len(self.mean) if self.components is None else self.components.shape[1]
 
     @property
     def out_features(self) -> int:
-        return len(self.mean) if self.components is None else self.components.shape[1]
+        return self.width or self.dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = (x - self.mean) / self.scale
-        return z if self.components is None else z @ self.components
+        z = z if self.components is None else z @ self.components
+        return z if self.width is None else nn.functional.pad(z, (0, self.width - self.dims))
 
     def _linear_map(self) -> torch.Tensor:
         """M (d × K) with z = (x − μ) M."""
@@ -66,17 +74,21 @@ class Preconditioner(nn.Module):
 
     @torch.no_grad()
     def fold(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head (C × K, C) on z as a head (C × d, C) on x."""
+        """The head (C × K, C) on z as a head (C × d, C) on x (a padded head's columns past K see only zeros)."""
+        weight = weight[:, :self.dims]
         folded = (weight.double() @ self._linear_map().double().T).to(weight.dtype)
         return folded, None if bias is None else (bias.double() - folded.double() @ self.mean.double()).to(bias.dtype)
 
     @torch.no_grad()
     def unfold(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A head (C × d) on x as a head (C × K) on z; the inverse of `fold` (P has orthonormal columns)."""
+        """A head (C × d) on x as a head (C × K) on z (padded with zero columns to `width`); the inverse of `fold`
+        (P has orthonormal columns)."""
         back = torch.diag(self.scale.double())
         if self.components is not None:
             back = back @ self.components.double()
         inner = (weight.double() @ back).to(weight.dtype)
+        if self.width is not None:
+            inner = nn.functional.pad(inner, (0, self.width - self.dims))
         return inner, None if bias is None else (bias.double() + weight.double() @ self.mean.double()).to(bias.dtype)
 
 
@@ -106,30 +118,41 @@ class PreconditionedHead(nn.Sequential):
 
 def install(model: nn.Module, head_name: str, pre: Preconditioner) -> None:
     """Put `pre` in front of the Linear head `head_name`, its parameters unfolded in place (the same Parameter
-    objects: the scope, optimizer and clipper keep pointing at them)."""
+    objects: the scope, optimizer and clipper keep pointing at them).
+
+    A head sharded by FSDP2 keeps its shape (FSDP2 fixes it when it shards): z is padded with zeros to the d inputs
+    and so is the head's unfolded weight. The columns past K then see only zeros: their per-example gradients are
+    exactly 0 (clipping sees the norms of the K × C head), their noise never reaches an output, and `fold` drops them;
+    the first K columns train as the K × C head does. Every rank calls this (a collective when sharded)."""
     head = model.get_submodule(head_name)
     if not isinstance(head, nn.Linear):
         raise DPConfigError(f"DPTrainer: probe_preconditioning needs a Linear head; `{head_name}` is a "
                             f"{type(head).__name__}. Use probe_preconditioning='none'.")
     pre = pre.to(head.weight.device)
-    weight, bias = pre.unfold(head.weight, head.bias)
-    head.weight.data = weight
-    if bias is not None:
-        head.bias.data = bias
-    head.in_features = pre.out_features
+    if is_dtensor(head.weight):
+        pre.width = head.in_features
+    _set_head(head, *pre.unfold(*_head_values(head)))
     model.set_submodule(head_name, PreconditionedHead(pre, head))
 
 
 def remove(model: nn.Module, head_name: str) -> tuple[Preconditioner, nn.Linear] | None:
-    """Fold the preconditioning back into the plain Linear head (in place); returns what `restore` needs."""
+    """Fold the preconditioning back into the plain Linear head (in place); returns (the preconditioner, the head).
+    Every rank calls this (a collective when sharded)."""
     wrapped = model.get_submodule(head_name)
     if not isinstance(wrapped, PreconditionedHead):
         return None
     pre, head = wrapped[0], wrapped[1]
-    weight, bias = pre.fold(head.weight, head.bias)
-    head.weight.data = weight
-    if bias is not None:
-        head.bias.data = bias
-    head.in_features = weight.shape[1]
+    _set_head(head, *pre.fold(*_head_values(head)))
     model.set_submodule(head_name, head)
     return pre, head
+
+
+def _head_values(head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return whole(head.weight), None if head.bias is None else whole(head.bias)
+
+
+def _set_head(head: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    assign(head.weight, weight)
+    if bias is not None:
+        assign(head.bias, bias)
+    head.in_features = head.weight.shape[1]

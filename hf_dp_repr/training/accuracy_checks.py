@@ -7,7 +7,7 @@ from __future__ import annotations
 import datasets
 from transformers.utils import logging
 
-from ..errors import DataError, DPConfigError, UnsupportedError
+from ..errors import DataError, DPConfigError
 from ..scope.preconditioning import parse_preconditioning
 from . import TRAINER_LOGGER
 from .averaging import check_ema_decay
@@ -17,12 +17,8 @@ logger = logging.get_logger(TRAINER_LOGGER)
 
 def check_accuracy_fields(args) -> None:
     """The arguments alone (from `DPTrainingArguments.__post_init__`)."""
-    from .sharding import sharding_request
-
     check_ema_decay(args)
-    if parse_preconditioning(args.probe_preconditioning)[0] != "none" and sharding_request(args) is not None:
-        raise UnsupportedError("DPTrainingArguments: probe_preconditioning with FSDP2 sharding is not supported; a "
-                               "linear probe trains a head small enough to run unsharded.")
+    parse_preconditioning(args.probe_preconditioning)
     k = args.augmentation_multiplicity
     if not isinstance(k, int) or k < 1:
         raise DPConfigError(f"DPTrainingArguments: augmentation_multiplicity={k!r} must be an integer >= 1 (1: no "
@@ -31,9 +27,6 @@ def check_accuracy_fields(args) -> None:
         raise DPConfigError("DPTrainingArguments: cache_features=True with augmentation_multiplicity > 1: each view "
                             "is a fresh random transform of the input, so what the frozen part computes differs per "
                             "view and step and cannot be cached; leave cache_features unset (None) or False.")
-    if k > 1 and sharding_request(args) is not None:
-        raise UnsupportedError("DPTrainingArguments: augmentation_multiplicity > 1 with FSDP2 sharding is not "
-                               "supported yet; train unsharded, or set augmentation_multiplicity=1.")
 
 
 def check_views(args, dataset) -> int:

@@ -18,6 +18,11 @@ What uses which weights:
 - after `train()` returns the model holds the average (the raw iterate stays in `trainer.weight_average.raw`);
   with `load_best_model_at_end`, the best checkpoint's average.
 
+Sharded (FSDP2): the average is sharded as the parameters are (DTensors on their mesh and placements), and each
+rank updates its own shard after every step; the update is elementwise, so this is the unsharded average exactly.
+Saves and checkpoints gather it whole as they gather the model (every rank joins; rank 0 writes), the raw iterate
+with it; a resume scatters both back into the shards.
+
 Example:
     >>> import torch
     >>> from hf_dp_repr.training.averaging import WeightAverage
@@ -39,7 +44,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from ..errors import CheckpointMismatchError, DPConfigError, UnsupportedError
+from ..errors import CheckpointMismatchError, DPConfigError
+from ..privacy.sharding import reshard
+from ..scope.shards import assign, whole
 from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
@@ -48,21 +55,13 @@ AVERAGE_FILE = "weight_average.pt"  # in checkpoints only: the raw iterate and t
 
 
 def check_ema_decay(args) -> None:
-    """`ema_decay`: None (off) or in [0, 1); refused with FSDP2 sharding (the average would be sharded too)."""
-    from .sharding import sharding_request
-
+    """`ema_decay`: None (off) or in [0, 1)."""
     decay = getattr(args, "ema_decay", None)
     if decay is None:
         return
     if not 0 <= decay < 1:
         raise DPConfigError(f"DPTrainingArguments: ema_decay={decay} must be in [0, 1) (e.g. 0.999), or None for "
                             "no weight averaging.")
-    if sharding_request(args) is not None:
-        raise UnsupportedError(_SHARDED)
-
-
-_SHARDED = ("DPTrainer: ema_decay with an FSDP2-sharded model is not supported yet (the average and the raw iterate "
-            "in checkpoints would have to be sharded and gathered); unset ema_decay, or train unsharded.")
 
 
 def averaging_note(args) -> str:
@@ -82,10 +81,13 @@ def decay_at(decay: float, t: int) -> float:
 class WeightAverage:
     """The exponential moving average of `params` (name → live parameter), with the warm-up of `decay_at`."""
 
-    def __init__(self, decay: float, params: dict[str, torch.nn.Parameter]):
+    def __init__(self, decay: float, params: dict[str, torch.nn.Parameter], settle=None):
         self.decay, self.params, self.updates = decay, params, 0
         self.average = {n: p.detach().clone() for n, p in params.items()}
         self.raw: dict[str, torch.Tensor] | None = None  # after `release`: the last raw iterate
+        # called before values are copied into the parameters: a sharded model's modules drop the weights a forward
+        # left gathered on them (FSDP2 with reshard_after_forward=False), which the next forward would use instead
+        self.settle = settle or (lambda: None)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -106,6 +108,7 @@ class WeightAverage:
 
     @torch.no_grad()
     def _copy_in(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.settle()
         before = {n: p.detach().clone() for n, p in self.params.items()}
         for name, p in self.params.items():
             p.copy_(values[name])
@@ -116,21 +119,26 @@ class WeightAverage:
         self.raw = self._copy_in(self.average)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    def save(self, folder: str) -> None:
-        raw = {n: p.detach().cpu().clone() for n, p in self.params.items()}
-        torch.save({"decay": self.decay, "updates": self.updates, "raw": raw}, os.path.join(folder, AVERAGE_FILE))
+    def save(self, folder: str, write: bool = True) -> None:
+        """The raw iterate, whole (gathered from the shards of a sharded model: every rank calls this), written when
+        `write` (rank 0's job)."""
+        raw = {n: whole(p).cpu().clone() for n, p in self.params.items()}
+        if write:
+            torch.save({"decay": self.decay, "updates": self.updates, "raw": raw}, os.path.join(folder, AVERAGE_FILE))
 
     @torch.no_grad()
     def restore(self, state: dict) -> None:
         """From a checkpoint whose model file (the average) is loaded in the live parameters: they become the
         average, and the raw iterate goes back into them."""
-        if set(state["raw"]) != set(self.params):
+        raw = state["raw"]
+        if set(raw) != set(self.params) or any(raw[n].shape != p.shape for n, p in self.params.items()):
             raise CheckpointMismatchError(
-                f"DPTrainer: the checkpoint's weight average ({len(state['raw'])} tensors) is not of what this run "
-                f"trains ({len(self.params)} tensors); resume with the same scope, or start a new run.")
-        self.average = {n: p.detach().clone() for n, p in self.params.items()}
+                f"DPTrainer: the checkpoint's weight average ({len(raw)} tensors) is not of what this run trains "
+                f"({len(self.params)} tensors, same names and shapes); resume with the same scope, or start a new run.")
+        self.average = {n: p.detach().clone() for n, p in self.params.items()}  # sharded as the parameters
+        self.settle()
         for name, p in self.params.items():
-            p.copy_(state["raw"][name])
+            assign(p, raw[name])  # a DTensor: scattered into its shards (every rank calls this)
         self.updates = int(state["updates"])
 
 
@@ -171,11 +179,9 @@ class DPAveragingMixin:
         if decay is None:
             self.weight_average = None
             return
-        if self.sharded:  # a model sharded at load (no fsdp argument)
-            raise UnsupportedError(_SHARDED)
         trained = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         params = {n: p for n, p in self.model.named_parameters() if id(p) in trained}
-        average = WeightAverage(decay, params)
+        average = WeightAverage(decay, params, settle=(lambda: reshard(self.model)) if self.sharded else None)
         if self._pending_average is not None:
             average.restore(self._pending_average)
             self._pending_average = None
@@ -213,5 +219,6 @@ class DPAveragingMixin:
         average = self.weight_average
         with self._averaged():
             super().save_model(output_dir, _internal_call=_internal_call)
-        if average is not None and average.raw is None and self._staging_checkpoint and self.args.should_save:
-            average.save(output_dir)  # a checkpoint: the raw iterate too, for resume
+        if average is not None and average.raw is None and self._staging_checkpoint and (
+                self.args.should_save or self.sharded):  # sharded: every rank gathers, rank 0 writes
+            average.save(output_dir, write=self.args.should_save)  # a checkpoint: the raw iterate too, for resume

@@ -193,7 +193,7 @@ def check_public_phase(args, train_dataset, public_train, public_eval) -> None:
                             "public_switch='fixed', the most public steps otherwise).")
     if args.public_switch == "plateau" and public_eval is None:
         raise DPConfigError("DPTrainer: public_switch='plateau' needs a public_eval_dataset (held-out PUBLIC data).")
-    if args.world_size > 1:
+    if args.world_size > 1 and args.public_max_steps:  # (probe_preconditioning alone runs on every process)
         raise UnsupportedError("DPTrainer: public → private training in one train() runs in a single process "
                                "for now; with several processes, pre-train on the public data first (the recipes' "
                                "--public_fraction) and pass the model to DPTrainer.")

@@ -3,7 +3,11 @@ training starts, in front of the linear probe while it trains, folded into the p
 training.
 
 Refused before any work: no public_train_dataset, one that shares rows with the private training set, a scope that
-is not a linear probe in every phase (the features would move under the statistics), FSDP2.
+is not a linear probe in every phase (the features would move under the statistics).
+
+Sharded (FSDP2): every rank computes the public features (the sharded forward is a collective) and fits the same
+statistics; the head keeps its sharded shape (`scope.preconditioning.install`: z padded with zeros) and is folded
+whole for every save, as the model is gathered whole.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.utils import logging
 
-from ..errors import DPConfigError, ScopeError, UnsupportedError
+from ..errors import DPConfigError, ScopeError
+from ..privacy.sharding import reshard
 from ..scope.preconditioning import PreconditionedHead, fit_preconditioner, install, parse_preconditioning, remove
+from ..scope.shards import assign
 from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
@@ -42,9 +48,6 @@ def check_preconditioning(trainer) -> None:
         raise ScopeError(f"DPTrainer: probe_preconditioning={spec!r} is for a linear probe (trainable_blocks=0 or "
                          "trainable_groups='head', without lp_steps): when the backbone trains, the features move "
                          "away from the public statistics. Set probe_preconditioning='none' for this scope.")
-    if trainer.sharded:
-        raise UnsupportedError("DPTrainer: probe_preconditioning with an FSDP2-sharded model is not supported; a "
-                               "linear probe trains a head small enough to run unsharded.")
 
 
 def public_head_inputs(model, head_name: str, dataset, collator, args) -> torch.Tensor:
@@ -80,10 +83,17 @@ class DPPreconditioningMixin:
         if hasattr(public, "column_names"):
             public = self._remove_unused_columns(public, description="public preconditioning")
         features = public_head_inputs(self.model, head_name, public, self.data_collator, self.args)
+        self._settle()
         install(self.model, head_name, fit_preconditioner(features, spec))
         self._preconditioned = head_name
         logger.info(f"DPTrainer: probe_preconditioning={spec!r} fitted on {len(features)} public rows; the probe "
-                    f"trains on {self.model.get_submodule(head_name)[0].out_features} inputs.")
+                    f"trains on {self.model.get_submodule(head_name)[0].dims} inputs.")
+
+    def _settle(self) -> None:
+        """Sharded: the head's module holds its DTensors again (a forward without backward, e.g. on the public set or
+        an evaluation with reshard_after_forward=False, leaves the gathered weights on the modules)."""
+        if self.sharded:
+            reshard(self.model)
 
     @contextlib.contextmanager
     def _folded(self):
@@ -92,22 +102,22 @@ class DPPreconditioningMixin:
         if name is None:
             yield
             return
-        wrapped = self.model.get_submodule(name)
-        head = wrapped[1]
-        kept = (head.weight.data, None if head.bias is None else head.bias.data)
-        remove(self.model, name)
+        self._settle()
+        head = self.model.get_submodule(name)[1]
+        kept = [p.detach().clone() for p in head.parameters()]  # (sharded: clones of this rank's shards)
+        pre, head = remove(self.model, name)
         try:
             yield
         finally:
-            head.weight.data = kept[0]
-            if kept[1] is not None:
-                head.bias.data = kept[1]
-            head.in_features = kept[0].shape[1]
-            self.model.set_submodule(name, PreconditionedHead(wrapped[0], head))
+            for p, value in zip(head.parameters(), kept):
+                assign(p, value)
+            head.in_features = head.weight.shape[1]
+            self.model.set_submodule(name, PreconditionedHead(pre, head))
 
     def finish_preconditioning(self) -> None:
         """The end of train(): the model's head is plain again, the preconditioning folded into it."""
         if self._preconditioned is not None:
+            self._settle()
             remove(self.model, self._preconditioned)
             self._preconditioned = None
 

@@ -194,8 +194,6 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
             self.features.prepare(self.model, [] if units or self.sharded or views > 1 else self._scopes, self.args,
                                   self.train_dataset, self._train_dataset_and_collator)
         dataset, collator = self.features.train_inputs(self._train_dataset_and_collator)
-        if self.sharded:  # a rank whose micro-batch is empty runs this row, clip factor 0, to join the collectives
-            self._stand_in = ExampleBatchCollator(collator)([dataset[0]])
         if self.engine is None:  # the run's secret is drawn now: fresh for every train()
             randomness = DPRandomness(self.args.noise_seed, self.args.world_size)
             self.engine = DPEngine(self.privacy_plan(), engine_options(self.args, self.sharded), randomness,
@@ -204,6 +202,8 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
         sampler = self.engine.batch_sampler(self._unit_rows[0] if units and not cached else None)
         if views > 1:  # each sampled row read k times through the dataset's transform, its views one unit
             dataset, sampler = ViewsDataset(dataset, self.args.seed), ViewsBatchSampler(sampler, views)
+        if self.sharded:  # a rank whose micro-batch is empty runs this row, clip factor 0, to join the collectives
+            self._stand_in = ExampleBatchCollator(collator)([dataset[0]])  # (views: one seeded view)
         # Not passed through accelerate.prepare: sharding would re-split our (already per-rank) batches.
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=ExampleBatchCollator(collator),
                           **train_dataloader_options(self.args))
