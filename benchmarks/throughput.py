@@ -24,6 +24,7 @@ run processes the same batch sizes; σ = 1 is given (no accounting cost in the s
     python benchmarks/throughput.py --model path/or/hub-name --batch-size 8 --seq-len 256
     python benchmarks/throughput.py --device cuda --models gpt2-124m vit-b
     python benchmarks/throughput.py --quick               # tiny models, a smoke test
+    python benchmarks/throughput.py --quick --no-memory   # speed only: no peak-memory process per run on CPU
     python benchmarks/throughput.py --parts               # also: where a step's time goes (see `parts`)
 
 `--parts` times one micro-batch by parts, in one process, interleaved, median over `--steps` (optimizer step and data
@@ -37,6 +38,7 @@ import argparse
 import contextlib
 import gc
 import io
+import math
 import os
 import statistics
 import sys
@@ -252,7 +254,7 @@ def benchmark(name: str) -> list[tuple]:
             if cuda:
                 peaks[label] = max(peaks[label], memory.peak)
     if not cuda:
-        peaks = {label: cpu_peak(name, label) for label in RUNS}
+        peaks = {label: cpu_peak(name, label) if ARGS.memory else math.nan for label in RUNS}
     rows = [(label, batch / statistics.median(times[label]), peaks[label] / 2**20) for label in RUNS]
     base_speed, base_memory = rows[0][1], rows[0][2]
     hooks_speed = rows[-1][1]
@@ -331,6 +333,8 @@ def main() -> None:
     parser.add_argument("--clipping", default="flat", choices=["flat", "per_layer", "automatic"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny models, 1 warm-up + 2 steps (a smoke test)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the peak memory (on CPU: one process per run); its columns show nan")
     parser.add_argument("--parts", action="store_true", help="also time one micro-batch by parts (see the docstring)")
     parser.add_argument("--memory-of", help=argparse.SUPPRESS)  # internal: one run's peak RSS, in a child process
     ARGS = parser.parse_args()

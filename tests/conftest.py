@@ -24,6 +24,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -slow[item.path])
 
 
+def pytest_collection_finish(session):
+    """Every test module is imported now: move the objects that exist (modules, classes, functions: torch,
+    transformers, datasets...) out of the garbage collector's reach. Each `Trainer.train` calls `gc.collect()`
+    (accelerate's `free_memory`): a full scan of these ~460k objects took 0.3-2.4 s per run on the shared 2-core
+    machine, to free nothing. Objects made later, by the tests, are collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _each_test_is_a_process_of_its_own():
     """hf_dp_repr.training.tuning_data remembers the private training sets of the process (a public-mode search on one
@@ -32,6 +43,22 @@ def _each_test_is_a_process_of_its_own():
     from hf_dp_repr.training.tuning_data import forget
 
     forget()
+
+
+@pytest.fixture(autouse=True)
+def _log_levels_restored():
+    """DPTrainer (`log_level`, training/report.follow_log_level) and the recipes (`setup_logging`) set the level of
+    the `hf_dp_repr` and root loggers for the whole process: a later test in the same process (a pytest-xdist worker
+    runs many files) would inherit INFO, and with it the end-of-training line of attack rates, a privacy loss
+    distribution that takes minutes for a σ of 0.01 (test_scope_groups' runs: 90-470 s a test)."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("", "hf_dp_repr")]
+    saved = [(log.level, log.handlers[:]) for log in loggers]
+    yield
+    for log, (level, handlers) in zip(loggers, saved):
+        log.setLevel(level)
+        log.handlers[:] = handlers
 
 
 @pytest.fixture(scope="session", autouse=True)

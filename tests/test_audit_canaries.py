@@ -2,7 +2,9 @@
 
 The three training runs share the canaries and the inclusion draw (an explicit, non-secret seed for the test):
 a non-private Trainer that memorises them, DPTrainer at ε = 1, and DPTrainer with noise_multiplier=0 (clipping
-only). Measured numbers are in the report of the branch (about 15-35 s each on 2 shared cores)."""
+only). 100 training rows + the included canaries (147), 60 epochs of batch 32: 300 steps a run, 20-60 s each on 2
+busy cores (measured: the control and the clipping-only run guess 37 of 40 canaries right, ε ≥ 1.50; the ε = 1 run
+21 of 40, ε ≥ 0)."""
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from hf_dp_repr.audit.canaries import (
 from hf_dp_repr.tiny import tiny_vit
 
 SMALL_VIT = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
-N_TRAIN, M, K, EPOCHS = 300, 100, 20, 60
+N_TRAIN, M, K, EPOCHS = 100, 100, 20, 60
 
 
 def test_inclusion_draw_is_secret_by_default_and_ignores_global_seeds():

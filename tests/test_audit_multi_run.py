@@ -32,10 +32,11 @@ def test_multi_run_audit_uses_calibration_runs_for_the_threshold_only():
 
 @pytest.mark.slow
 def test_multi_run_on_digits_non_private_control(digits, tmp_path):
-    """The non-private control memorises one OOD canary: the multi-run bound is positive (16 + 16 counted runs,
-    3 + 3 calibration runs). Each run is 100 full-batch steps on 20 rows (about 1 s; 320 steps on 50 rows at
-    lr 3e-3 separated the runs no better). The seeds are fixed: with other seeds, an audit of 3 + 3 calibration
-    runs separates a single canary this well in about half of the draws, with either setting."""
+    """The non-private control memorises one OOD canary: the multi-run bound is positive (10 + 10 counted runs,
+    2 + 2 calibration runs: all 10 + 10 on the right side of the threshold give ε ≥ 0.81, 9 of 10 still 0.59; a canary
+    that was not memorised, or not inserted, gives about 0). Each run is 100 full-batch steps on 20 rows (about 1 s;
+    320 steps on 50 rows at lr 3e-3 separated the runs no better). The seeds are fixed: with other seeds, an audit of
+    3 + 3 calibration runs separates a single canary this well in about half of the draws, with either setting."""
     from transformers import Trainer
 
     from hf_dp_repr.audit.canaries import make_canaries, with_canaries
@@ -55,7 +56,7 @@ def test_multi_run_on_digits_non_private_control(digits, tmp_path):
         trainer.train()
         return float(classification_losses(trainer.model, canary)[0])
 
-    out = multi_run_audit(train_and_score, runs=16, calibration_runs=3, delta=1e-5)
+    out = multi_run_audit(train_and_score, runs=10, calibration_runs=2, delta=1e-5)
     print(out)
     assert out["tpr"] >= 0.9 and out["fpr"] <= 0.1
     assert out["epsilon_lower_bound"] > 0.5

@@ -1,19 +1,12 @@
 """Processes launched together form one DP run, or are refused: never several runs on the same data, each with its
 own secret noise, its own save and push, and a ledger stating the ε of one of them."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from hf_dp_repr.errors import ProcessGroupError
 from hf_dp_repr.training.argument_checks import check_one_run, join_cpu_processes, launched_processes
-from utils import ACCEL_CONFIG, free_port
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -55,19 +48,4 @@ def test_cpu_processes_are_joined_and_a_world_that_stays_split_is_refused_before
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # two processes under accelerate launch (about 30 s on 2 busy cores)
-def test_a_users_own_script_under_accelerate_launch_is_one_run(tmp_path):
-    """cpu_2proc.yaml on a user's script that does not set ACCELERATE_USE_CPU: before, each process saw a world of
-    1 and rank 0 of its own, trained alone and saved; now the two are one run: one world of 2, one saver, one
-    ledger for 2 processes, one plan printed (log_level="info")."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("ACCELERATE_USE_CPU", None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-           "--main_process_port", str(free_port()), str(ROOT / "tests" / "one_run_user_script.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [s["world_size"] for s in seen] == [2, 2] and [s["process_index"] for s in seen] == [0, 1]
-    assert [s["should_save"] for s in seen] == [True, False]
-    assert json.loads((tmp_path / "privacy_ledger.json").read_text())["world_size"] == 2
-    assert (proc.stdout + proc.stderr).count("DP-SGD plan (") == 1
+# A user's own script under `accelerate launch` is one run: tests/test_ddp.py (it shares that file's launch).

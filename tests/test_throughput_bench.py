@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/throughput.py: one run prints the side-by-side table for both model kinds."""
+"""Smoke test of benchmarks/throughput.py: one run prints the side-by-side table for both model kinds, and one CPU
+peak-memory process (what the table's memory columns run once per row) reports a peak."""
 
 import os
 import re
@@ -7,12 +8,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _throughput(*flags: str) -> str:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), *flags], env=ENV,
+                          capture_output=True, text=True, timeout=300, check=True).stdout
 
 
 def test_quick_benchmark_prints_every_run_with_ratios():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick"], env=env,
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _throughput("--quick", "--no-memory")  # the 8 peak-memory processes: one of them is the next test
     for model in ("tiny-vit", "tiny-gpt2"):
         assert model in out
     rows = re.findall(r"^\| (Trainer \(non-private\)|DPTrainer ghost|DPTrainer hooks|Opacus hooks \(plain\))\s+\|"
@@ -21,3 +26,10 @@ def test_quick_benchmark_prints_every_run_with_ratios():
     assert all(float(speed) > 0 for _, speed, *_ in rows)
     assert [float(ratio) for label, _, ratio, *_ in rows if label.startswith("Trainer")] == [1.0, 1.0]
     assert all(float(low) <= float(high) for *_, low, high in rows)  # the ratio's range over the rounds
+
+
+def test_one_runs_peak_memory_in_a_process_of_its_own():
+    """The child process `cpu_peak` starts for each row (same flags): DPTrainer's ghost run on the tiny GPT-2 holds
+    memory above the RSS before the model is built."""
+    out = _throughput("--models", "tiny-gpt2", "--memory-of", "DPTrainer ghost", "--steps", "1", "--warmup", "1")
+    assert int(out.split("PEAK_BYTES ")[1].split()[0]) > 0, out

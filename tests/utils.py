@@ -170,12 +170,16 @@ def brute_force_unit_sum(dataset, clip):
     return dict(zip(names, total))
 
 
-def launch_two_workers(worker: str, out, env: dict, timeout: int) -> None:
+def launch_two_workers(worker: str, out, env: dict, timeout: int, accelerate: bool = False) -> str:
     """`torch.distributed.run` 2 processes of tests/`worker` (argument: `out`), in a session of its own: on a timeout
-    (a lost collective) the launcher AND its workers are killed and the test fails with the log's end."""
+    (a lost collective) the launcher AND its workers are killed and the test fails with the log's end. With
+    `accelerate`: `accelerate launch` with recipes/accelerate_configs/cpu_2proc.yaml, as the recipes document it.
+    Returns the launch's output."""
     tests = Path(__file__).resolve().parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tests / worker), str(out)]
+    launcher = (["accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG), "--main_process_port",
+                 str(free_port())] if accelerate else
+                ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    cmd = [sys.executable, "-m", *launcher, str(tests / worker), str(out)]
     launch = subprocess.Popen(cmd, cwd=tests, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
@@ -186,3 +190,4 @@ def launch_two_workers(worker: str, out, env: dict, timeout: int) -> None:
         raise AssertionError(f"the 2-process launch did not finish in {timeout} s (a collective lost?):\n"
                              + log[-5000:]) from None
     assert launch.returncode == 0, log[-8000:]
+    return log
