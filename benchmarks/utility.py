@@ -142,6 +142,7 @@ def run_proxy(args, techniques: dict) -> dict:
     extra = {}
     if "probe_preconditioning" in techniques and "public_train_dataset" in inspect.signature(DPTrainer).parameters:
         extra["public_train_dataset"] = s0.FeatureSet(*data["tune"])
+        techniques = {**techniques, "trainable_blocks": 0}  # the scope preconditioning is for: the head alone
     lrs = args.learning_rates if args.split == "validation" else args.learning_rates[:1]
     acc = {}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
