@@ -196,3 +196,23 @@ def test_ledger_card_and_log_state_the_attack_target_and_its_epsilon(digits, tmp
             "neighbours (`target_attack_tpr_at_fpr=0.2@0.01`) |") in card
     assert "| target ε | none (σ calibrated for the target attack rate below) |" in card
     assert f"(ε = {format_epsilon(eps)}, δ = 0.0001)" in card
+
+
+def test_the_grid_is_coarser_only_for_tiny_sigma_and_then_only_raises_the_bounds():
+    """At σ = 0.01 the 1e-3 privacy-loss grid had millions of points (minutes at the end of a run); the coarser grid
+    `pld_discretization` picks below σ ≈ 0.17 must keep every bound an upper bound: ε and the TPR bounds from it are
+    never below those of the 1e-3 grid."""
+    import dp_accounting
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
+    from hf_dp_repr.privacy.accounting import compute_epsilon
+    from hf_dp_repr.privacy.attack_rates import PLD_DISCRETIZATION, pld_discretization, tpr_at_fpr
+
+    assert pld_discretization([(0.17, 0.01, 1000), (1.0, 0.1, 5)]) == PLD_DISCRETIZATION  # usual runs: unchanged
+    history = [(0.08, 0.5, 2)]
+    assert pld_discretization(history) > 2 * PLD_DISCRETIZATION
+    fine = PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE, value_discretization_interval=1e-3)
+    fine.compose(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(0.08)), 2)
+    assert compute_epsilon(history, 1e-5, "pld", "replace_one") >= fine.get_epsilon(1e-5)
+    closed_form_one_step = norm.cdf(norm.ppf(0.01) + 2 / 0.08)  # q = 1, one step: the bound is exact
+    assert tpr_at_fpr([(0.08, 1.0, 1)], 0.01, "replace_one") >= closed_form_one_step - 1e-9

@@ -35,7 +35,6 @@ from .accountants import (  # noqa: F401 (ACCOUNTANTS, NEIGHBORING_RELATIONS, GD
     ACCOUNTANTS,
     GDP_REFUSED,
     NEIGHBORING_RELATIONS,
-    PLD_DISCRETIZATION,
     History,
     accountants_for,
     check_accountant,
