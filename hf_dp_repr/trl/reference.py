@@ -49,7 +49,8 @@ class ReferenceStandIn(torch.nn.Module):
         self.config = config
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("ReferenceStandIn stands for the DPO reference during DPOTrainer.__init__ only.")
+        raise UnsupportedError("ReferenceStandIn stands for the DPO reference during DPOTrainer.__init__ only; "
+                               "DPDPOTrainer replaces it with the real reference before any forward.")
 
 
 def frozen_copy(model):
