@@ -224,10 +224,12 @@ def _random_shift(x):
     drawn from torch's global generator (which `augmentation_multiplicity` seeds per view: privacy.augmentation)."""
     import torch
 
-    n, _, h, w = x.shape
+    n, c, h, w = x.shape
     padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="replicate")
-    dy, dx = torch.randint(0, 3, (2, n)).tolist()
-    return torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+    dy, dx = torch.randint(0, 3, (2, n))
+    rows = (dy[:, None] + torch.arange(h))[:, None, :, None].expand(n, c, h, w + 2)  # each image's window, one gather
+    cols = (dx[:, None] + torch.arange(w))[:, None, None, :].expand(n, c, h, w)
+    return padded.gather(2, rows).gather(3, cols)
 
 
 TRAIN_AUGMENTATIONS = {"none": None, "random_shift": _random_shift}  # name → random map of pixel values (N, C, H, W)
