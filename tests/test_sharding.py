@@ -349,7 +349,8 @@ def test_the_lm_recipe_runs_sharded_under_accelerate_launch(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
            "--main_process_port", str(free_port()), os.path.join(os.path.dirname(TESTS), "recipes", "dp_causal_lm.py"),
            "--model_name_or_path", "tiny_gpt2", "--target_epsilon", "8", "--target_delta", "1e-5", "--max_steps", "2",
-           "--per_device_train_batch_size", "8", "--block_size", "64", "--output_dir", str(out), "--fsdp",
+           "--per_device_train_batch_size", "8", "--block_size", "64", "--public_epochs", "1",
+           "--max_eval_blocks", "16", "--output_dir", str(out), "--fsdp",
            "full_shard", "--fsdp_config", '{"fsdp_version": 2}', "--save_strategy", "no", "--report_to", "none",
            "--disable_tqdm", "true"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
