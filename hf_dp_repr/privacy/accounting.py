@@ -120,7 +120,7 @@ def calibrate_sigma(spend, target: float, fixed: History, sample_rate: float, st
             return math.inf  # σ too small for the accountant's numerics: certainly above any sane target
 
     enough = floor + (1 - RELATIVE_EPSILON_TOLERANCE) * (target - floor)
-    aim = floor + (1 - RELATIVE_EPSILON_TOLERANCE / 2) * (target - floor)
+    aim = floor + (1 - RELATIVE_EPSILON_TOLERANCE / 4) * (target - floor)  # near the top: ε = 1 prints as 1
 
     def gap(v: float) -> float:  # log distance from the aim; the root of this, in log σ, is the σ sought
         return math.log((v - floor) / (aim - floor)) if v > floor else -math.inf
