@@ -13,7 +13,6 @@ One after the other, in the same processes, each writing under OUT/<name> (not c
 - `logs` (2 processes only): the image recipe at ε = 8 with public pre-training.
 Each process writes what each run printed (its stdout and stderr) to OUT/logs/<name>.rank<R>.txt."""
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ prepare_entry_point()  # what the recipes' files do first
 import one_run_user_script  # noqa: E402  (tests/, this file's folder, is on the path)
 import privacy_unit_ddp_script  # noqa: E402
 from hf_dp_repr.scripts import image_classification, text_classification  # noqa: E402
+from utils import printed_to  # noqa: E402
 
 SIGMA, LR, GLOBAL_BATCH = 1000.0, 1e-3, 32
 COMMON = ["--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
@@ -35,35 +35,6 @@ def image_args(out: Path, world: int, sigma: float, steps: int = 1) -> list[str]
             "--per_device_train_batch_size", str(GLOBAL_BATCH // world), "--max_steps", str(steps), "--optim", "sgd",
             "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--weight_decay", "0",
             "--target_delta", "1e-4", "--max_eval_samples", "64", "--seed", "0", "--noise_seed", "0", *COMMON]
-
-
-@contextlib.contextmanager
-def printed_to(path: Path):
-    """This process's file descriptors 1 and 2 (print, logging, warnings, C code) go to `path` meanwhile; on an
-    error, the end of it is shown on the real stderr too."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "w") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        else:
-            failed = False
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-            if failed:
-                print(f"---- {path} ----\n{path.read_text()[-6000:]}", file=sys.stderr, flush=True)
 
 
 def main(out: Path) -> None:

@@ -6,8 +6,6 @@ recipe under `accelerate launch --fsdp`: DP LoRA SFT over users, sharded, then g
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +22,10 @@ TESTS = Path(__file__).resolve().parent
 def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("trl_two")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{TESTS.parent}:{TESTS}"}
-    launch_two_workers("trl_sft_worker.py", out, env, timeout=400)
-    return {name: torch.load(out / f"{name}.pt") for name in ("ddp", "fsdp_users", "ddp_noisy")}
+    launch_two_workers("trl_sft_worker.py", out, env, timeout=400, accelerate=True)
+    runs = {name: torch.load(out / f"{name}.pt") for name in ("ddp", "fsdp_users", "ddp_noisy")}
+    return {**runs, "recipe": out / "recipe", "recipe_log": "".join(
+        f.read_text() for f in sorted((out / "recipe_logs").glob("rank*.txt")))}
 
 
 def one_process(name, tmp_path):
@@ -58,22 +58,11 @@ def test_two_processes_add_the_noise_once_per_step(two_processes):
     assert float(deltas.std()) / 1e-3 == pytest.approx(300.0 / got["expected_batch"] * 2 ** 0.5, rel=0.03)
 
 
-def test_the_sft_recipe_runs_sharded_under_accelerate_launch(tmp_path):
-    """The docs' launch: 2 CPU processes, FSDP2, LoRA, users as units; the saved model answers once (rank 0)."""
-    from utils import ACCEL_CONFIG, free_port
-
-    out = tmp_path / "sft"
-    root = TESTS.parent
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-           "--main_process_port", str(free_port()), str(root / "recipes" / "dp_sft.py"),
-           "--config", str(root / "recipes" / "configs" / "dp_sft_tiny_llama.yaml"), "--max_steps", "2",
-           "--max_conversations", "240", "--output_dir", str(out), "--fsdp", "full_shard", "--fsdp_config",
-           '{"fsdp_version": 2}', "--disable_tqdm", "true"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    assert "FSDP2: sharded over 2 processes" in log and log.count("| answer (greedy, saved DP model)") == 1
+def test_the_sft_recipe_runs_sharded_under_accelerate_launch(two_processes):
+    """The docs' launch (the shared `accelerate launch` ran the recipe last): 2 CPU processes, FSDP2, LoRA, users as
+    units; the saved model answers once (rank 0)."""
+    out, log = two_processes["recipe"], two_processes["recipe_log"]
+    assert "FSDP2: sharded over 2 processes" in log and log.count("| answer (greedy, saved DP model)") == 1, log[-3000:]
     ledger = json.loads((out / "privacy_ledger.json").read_text())
     assert ledger["steps_done"] == 2 and ledger["privacy_unit"] == "user_id" and ledger["world_size"] == 2
     card = (out / "README.md").read_text()

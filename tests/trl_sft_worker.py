@@ -16,6 +16,7 @@ from hf_dp_repr.tiny import tiny_llama  # noqa: E402
 from hf_dp_repr.trl import DPSFTTrainer  # noqa: E402
 from hf_dp_repr.trl.chat_data import chat_tokenizer, stdlib_conversations  # noqa: E402
 from test_trl_sft import PUBLIC, sft_args  # noqa: E402
+from utils import printed_to  # noqa: E402
 
 FSDP = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
 # run name → DPSFTConfig fields (per device: the global batch / processes)
@@ -26,6 +27,10 @@ RUNS = {
     "ddp_noisy": dict(per_device_train_batch_size=2, gradient_accumulation_steps=3, noise_multiplier=300.0,
                       per_sample_max_grad_norm=1.0, learning_rate=1e-3, max_steps=2),
 }
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE_ARGS = ["--config", str(ROOT / "recipes" / "configs" / "dp_sft_tiny_llama.yaml"), "--max_steps", "2",
+               "--max_conversations", "240", "--fsdp", "full_shard", "--fsdp_config", '{"fsdp_version": 2}',
+               "--disable_tqdm", "true"]
 
 
 def run(name: str, out: str, world: int, **extra):
@@ -53,3 +58,7 @@ if __name__ == "__main__":
             torch.save({"weights": weights, "epsilon": trainer.epsilon(), "engine": trainer.clipping_engine,
                         "sharded": trainer.sharded, "expected_batch": plan.phases[0].expected_batch_size},
                        os.path.join(out, f"{name}.pt"))
+    from hf_dp_repr.scripts import sft
+
+    with printed_to(Path(out) / "recipe_logs" / f"rank{os.environ.get('RANK', '0')}.txt"):
+        sft.main([*RECIPE_ARGS, "--output_dir", str(Path(out) / "recipe")])

@@ -3,6 +3,7 @@ random tokens, one DP step of DPTrainer against a brute-force loop, a callback t
 with the common test defaults, the exact ε of full-batch steps, and datasets of users with their brute-force clipped
 sum. The Hub is a local server: hf_dp_repr/hub/local_server.py and the `hub` fixture (conftest.py)."""
 
+import contextlib
 import math
 import os
 import signal
@@ -191,3 +192,32 @@ def launch_two_workers(worker: str, out, env: dict, timeout: int, accelerate: bo
                              + log[-5000:]) from None
     assert launch.returncode == 0, log[-8000:]
     return log
+
+
+@contextlib.contextmanager
+def printed_to(path: Path):
+    """This process's file descriptors 1 and 2 (print, logging, warnings, C code) go to `path` meanwhile; on an
+    error, the end of it is shown on the real stderr too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        else:
+            failed = False
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            if failed:
+                print(f"---- {path} ----\n{path.read_text()[-6000:]}", file=sys.stderr, flush=True)
