@@ -10,7 +10,8 @@ One after the other, in the same processes, each writing under OUT/<name> (not c
   the head only) at σ = 0; the global batch is GLOBAL_BATCH whatever the number of processes;
 - `eval`: the text recipe (real MiniLM) with lr = 0, evaluated;
 - `unit.pt`: one σ = 0 step with privacy_unit='user_id' (tests/privacy_unit_ddp_script.py);
-- `logs` (2 processes only): the image recipe at ε = 8 with public pre-training.
+- `logs` (2 processes only): the image recipe at ε = 8 with public pre-training;
+- `lm` (2 processes only): the LM recipe sharded (`--fsdp full_shard`, FSDP2) over documents, as the README launches it.
 Each process writes what each run printed (its stdout and stderr) to OUT/logs/<name>.rank<R>.txt."""
 
 import os
@@ -23,7 +24,7 @@ prepare_entry_point()  # what the recipes' files do first
 
 import one_run_user_script  # noqa: E402  (tests/, this file's folder, is on the path)
 import privacy_unit_ddp_script  # noqa: E402
-from hf_dp_repr.scripts import image_classification, text_classification  # noqa: E402
+from hf_dp_repr.scripts import causal_lm, image_classification, text_classification  # noqa: E402
 from utils import printed_to  # noqa: E402
 
 SIGMA, LR, GLOBAL_BATCH = 1000.0, 1e-3, 32
@@ -55,6 +56,11 @@ def main(out: Path) -> None:
             "--output_dir", str(out / "logs_run"), "--target_epsilon", "8", "--target_delta", "1e-4",
             "--public_fraction", "0.3", "--public_epochs", "2", "--per_device_train_batch_size", "16",
             "--max_steps", "2", "--max_eval_samples", "64", *COMMON])
+        runs["lm"] = lambda: causal_lm.main([
+            "--output_dir", str(out / "lm"), "--model_name_or_path", "tiny_gpt2", "--target_epsilon", "8",
+            "--target_delta", "1e-5", "--max_steps", "2", "--per_device_train_batch_size", "8", "--block_size", "64",
+            "--public_epochs", "1", "--max_eval_blocks", "16", "--fsdp", "full_shard", "--fsdp_config",
+            '{"fsdp_version": 2}', *COMMON])
     for name, run in runs.items():
         with printed_to(out / "logs" / f"{name}.rank{rank}.txt"):
             run()

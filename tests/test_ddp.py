@@ -6,7 +6,7 @@ has a per-coordinate std of lr·σ·C/B. Noise added once per logical batch give
 noise added on every process would give √2 times more with 2 (2 times if the ranks drew the same noise), and dividing
 by the per-process batch would give 2 times more. (Both runs pass the same `noise_seed`, so rank 0 draws the noise
 the single process draws, and the two updates are in fact nearly identical.) Also: a privacy unit is clipped once
-across ranks, and the recipes log the plan and the results once."""
+across ranks, the recipes log the plan and the results once, and the LM recipe runs sharded (FSDP2)."""
 
 import json
 import os
@@ -157,3 +157,16 @@ def test_a_users_own_script_under_accelerate_launch_is_one_run(runs):
     assert json.loads((user / "privacy_ledger.json").read_text())["world_size"] == 2
     out = "".join(f.read_text() for f in (runs[1] / "logs").glob("user.rank*.txt"))
     assert out.count("DP-SGD plan (") == 1, out[-5000:]
+
+
+def test_the_lm_recipe_runs_sharded_under_accelerate_launch(runs):
+    """The README's launch: `accelerate launch cpu_2proc.yaml recipes/dp_causal_lm.py --fsdp full_shard --fsdp_config
+    '{"fsdp_version": 2}'` (here the recipe's main in the shared launch) trains the documents (units) sharded, not as
+    DDP, and ends with the result table and the DP model's sample: every process joins the sample's generate (a
+    rank-0-only forward of a sharded model hung up the other rank and failed the run)."""
+    log = "".join(f.read_text() for f in sorted((runs[1] / "logs").glob("lm.rank*.txt")))
+    assert "FSDP2: sharded over 2 processes" in log and log.count("| sample (greedy, DP model)") == 1, log[-5000:]
+    out = runs[1] / "lm"
+    ledger = json.loads((out / "privacy_ledger.json").read_text())
+    assert ledger["steps_done"] == 2 and ledger["privacy_unit"] == "document_id" and ledger["world_size"] == 2
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}

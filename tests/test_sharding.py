@@ -15,8 +15,6 @@ augmentation_multiplicity and probe_preconditioning runs."""
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -335,32 +333,6 @@ def test_a_sharded_run_resumes_exactly_whatever_its_optimizer_state(optim, state
     assert resumed.epsilon() == straight.epsilon() and resumed.ledger.steps_done == 2
     saved = torch.load(tmp_path / "straight" / "checkpoint-1" / "optimizer.pt", weights_only=True)
     assert bool(saved["state"]) == (state != "empty")  # the states were what the case says
-
-
-@pytest.mark.slow
-def test_the_lm_recipe_runs_sharded_under_accelerate_launch(tmp_path):
-    """The README's launch: `accelerate launch cpu_2proc.yaml recipes/dp_causal_lm.py --fsdp full_shard --fsdp_config
-    '{"fsdp_version": 2}'` trains the documents (units) sharded, not as DDP, and ends with the result table and the
-    DP model's sample: every process joins the sample's generate (a rank-0-only forward of a sharded model hung up
-    the other rank and failed the run)."""
-    from utils import ACCEL_CONFIG, free_port
-
-    out = tmp_path / "lm"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL_CONFIG),
-           "--main_process_port", str(free_port()), os.path.join(os.path.dirname(TESTS), "recipes", "dp_causal_lm.py"),
-           "--model_name_or_path", "tiny_gpt2", "--target_epsilon", "8", "--target_delta", "1e-5", "--max_steps", "2",
-           "--per_device_train_batch_size", "8", "--block_size", "64", "--public_epochs", "1",
-           "--max_eval_blocks", "16", "--output_dir", str(out), "--fsdp",
-           "full_shard", "--fsdp_config", '{"fsdp_version": 2}', "--save_strategy", "no", "--report_to", "none",
-           "--disable_tqdm", "true"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=os.path.dirname(TESTS), env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
-    assert "FSDP2: sharded over 2 processes" in log and log.count("| sample (greedy, DP model)") == 1
-    ledger = json.loads((out / "privacy_ledger.json").read_text())
-    assert ledger["steps_done"] == 2 and ledger["privacy_unit"] == "document_id" and ledger["world_size"] == 2
-    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
 
 
 def test_load_best_model_at_end_restores_the_best_checkpoint_sharded(one_rank_group, tmp_path):
