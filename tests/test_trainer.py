@@ -17,7 +17,7 @@ from utils import dp_args, gaussian_epsilon
 def test_tiny_vit_on_digits_at_epsilon_8(digits, tmp_path):
     args = DPTrainingArguments(
         output_dir=str(tmp_path), target_epsilon=8.0, target_delta=1e-4, per_device_train_batch_size=64,
-        num_train_epochs=12, learning_rate=1e-2, per_sample_max_grad_norm=1.0, report_to="none",
+        num_train_epochs=4, learning_rate=3e-2, per_sample_max_grad_norm=1.0, report_to="none",
         save_strategy="no", logging_strategy="no", disable_tqdm=True,
     )
     trainer = DPTrainer(model=tiny_vit(), args=args, train_dataset=digits["train"], eval_dataset=digits["test"],
