@@ -338,7 +338,7 @@ def test_seed000_sweep_writes_its_report(tmp_path):
 
     space = lambda t: {"learning_rate": t.suggest_float("learning_rate", 1e-3, 1e-2, log=True),  # noqa: E731
                        "num_train_epochs": t.suggest_categorical("num_train_epochs", [1])}
-    summary = run_seed000(str(tmp_path), epsilons=(1.0,), ks=(1, 4), n_trials=2, pretrain_epochs=3,
+    summary = run_seed000(str(tmp_path), epsilons=(1.0,), ks=(1, 4), n_trials=1, pretrain_epochs=3,
                           constant_epochs=1, hp_space=space, progress=False)
     assert [(r["k"], r["run"]) for r in summary["rows"]] == [(1, "tuned"), (1, "constant_lr"), (4, "tuned"),
                                                              (4, "constant_lr")]
