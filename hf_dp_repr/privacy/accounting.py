@@ -107,10 +107,10 @@ def calibrate_sigma(spend, target: float, fixed: History, sample_rate: float, st
     largest TPR of a membership test at an FPR (`floor` that FPR; `attack_rates.calibrate_for_attack`).
 
     A bracket [low, high] with spend(low) > target ≥ spend(high) shrinks until spend(high) is within the tolerance;
-    the next σ is where the secant through the two ends crosses the middle of the tolerance band, in log σ and
+    the next σ is where the secant through the two ends crosses a point near the top of the band, in log σ and
     log(spend − floor), where spend is close to a straight line (ε ∝ 1/σ for large σ), with Illinois' halving of an
     end kept twice (or the bracket's middle while no finite low end is known): about 4-6 accountant calls where a
-    bisection needed 12-13. Whatever the route, the answer is checked on the accountant, as a bisection's."""
+    bisection needed 12-16. Whatever the route, the answer is checked on the accountant, as a bisection's."""
 
     def value(sigma: float) -> float:
         head = [(sigma, q, t) for _, q, t in fixed] if same_sigma else list(fixed)
