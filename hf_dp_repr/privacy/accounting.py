@@ -159,7 +159,7 @@ def calibrate_sigma(spend, target: float, fixed: History, sample_rate: float, st
 def calibrate_for_attack(target: AttackTarget, fixed, sample_rate: float, steps: int, neighboring: str,
                          same_sigma: bool = False) -> float:
     """σ of a last phase, as `calibrate_last_phase` but for an attack-rate target: the smallest σ (the
-    same bisection, `accounting.calibrate_sigma`) such that the whole history's largest TPR at `target.fpr` is at
+    same search, `accounting.calibrate_sigma`) such that the whole history's largest TPR at `target.fpr` is at
     most `target.tpr` (and within 0.1 % of `target.tpr − target.fpr` below it), for `neighboring` neighbours.
 
     Example (one full-batch step: the closed form Φ(Φ⁻¹(0.01) + 1/σ) = 0.05 at σ ≈ 1.467):
