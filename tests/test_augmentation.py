@@ -86,6 +86,11 @@ def test_views_are_reproducible_from_the_seed_and_leave_the_global_generators_al
     assert not torch.equal(a["pixel_values"], other["pixel_values"])  # the public seed, not a fixed stream
     assert torch.equal(torch.get_rng_state(), states[0]) and (np.random.get_state()[1] == states[1]).all()
     assert random.getstate() == states[2]
+    # a micro-batch read whole (torch's DataLoader calls __getitems__): the same views, the generators put back
+    keys = [(5, (0, 0, 5, 0)), (5, (0, 0, 5, 1)), (2, (0, 0, 2, 0))]
+    batch = views.__getitems__(keys)
+    assert all(torch.equal(x["pixel_values"], views[k]["pixel_values"]) for x, k in zip(batch, keys))
+    assert torch.equal(batch[0]["pixel_values"], a["pixel_values"]) and torch.equal(torch.get_rng_state(), states[0])
 
 
 def test_a_row_gets_the_same_views_however_its_step_is_split_over_micro_batches_and_processes():

@@ -10,11 +10,11 @@ averaged, so the mean of their gradients is what is clipped, once, as one contri
   the same q, steps, σ and ε as with k = 1.
 - Sensitivity: whatever the views (a transform is arbitrary code, possibly adversarial), one example adds at most
   C to the clipped sum, so replacing it moves the sum by at most 2C.
-- Randomness: each view's draws (Python's `random`, numpy's and torch's global generators, which transforms such
-  as torchvision's read) are seeded from (the Trainer's public `seed`, epoch, step, row, view) inside a fork
-  of those generators, so views are reproducible from the run's seed and the process's own generators are left as
-  they were. They never touch the DP secret (`privacy.randomness`): the guarantee holds for every fixed choice of
-  views, so the augmentation needs no secrecy.
+- Randomness: each view's draws (Python's `random`, numpy's and torch's global CPU generators, which transforms
+  such as torchvision's read) are seeded from (the Trainer's public `seed`, epoch, step, row, view), and the
+  generators are put back after each micro-batch, so views are reproducible from the run's seed and the process's
+  own generators are left as they were. They never touch the DP secret (`privacy.randomness`): the guarantee
+  holds for every fixed choice of views, so the augmentation needs no secrecy.
 
 Example:
     >>> import torch
@@ -42,19 +42,24 @@ _VIEWS = 4  # purpose word of the SeedSequence key (apart from any other use of 
 
 
 @contextlib.contextmanager
-def seeded_generators(key: list[int]):
-    """Python's, numpy's and torch's global generators seeded from `key` for the duration, then restored."""
+def preserved_generators():
+    """Python's, numpy's and torch's (CPU) global generators put back as they were on exit."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def seed_generators(key: list[int]) -> None:
+    """Python's, numpy's and torch's (CPU) global generators seeded from `key` (`torch.default_generator`: a
+    `torch.manual_seed` would also seed every accelerator's generator, and cost 100× more)."""
     seed = np.random.SeedSequence(key).generate_state(2)
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        random.seed(int(seed[0]))
-        np.random.seed(int(seed[1]))
-        torch.manual_seed(int(seed[0]) << 32 | int(seed[1]))
-        try:
-            yield
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
+    random.seed(int(seed[0]))
+    np.random.seed(int(seed[1]))
+    torch.default_generator.manual_seed(int(seed[0]) << 32 | int(seed[1]))
 
 
 class ViewsDataset(torch.utils.data.Dataset):
@@ -71,9 +76,19 @@ class ViewsDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, item) -> dict:
+        with preserved_generators():
+            return self._view(item)
+
+    def __getitems__(self, items: list) -> list[dict]:
+        """A micro-batch (torch's DataLoader asks for it whole): the generators are saved and restored once for it,
+        not once per view (each view is still seeded from its own key)."""
+        with preserved_generators():
+            return [self._view(item) for item in items]
+
+    def _view(self, item) -> dict:
         row, key = (item, (0, 0, item, 0)) if isinstance(item, int) else item
-        with seeded_generators([self.seed, _VIEWS, *key]):
-            example = dict(self.dataset[row])
+        seed_generators([self.seed, _VIEWS, *key])
+        example = dict(self.dataset[row])
         example.setdefault(UNIT_KEY, int(row))
         return example
 
