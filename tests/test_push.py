@@ -360,9 +360,9 @@ def test_pushed_dp_gpt2_loads_back_with_from_pretrained_and_generates(tmp_path, 
     assert local.state_dict().keys() == loaded.state_dict().keys()
     assert all(torch.equal(t, loaded.state_dict()[k]) for k, t in local.state_dict().items())
     prompt = torch.tensor([[5, 17, 42]])
-    generated = loaded.generate(prompt, max_new_tokens=4, do_sample=False)
-    assert generated.shape == (1, 7) and torch.equal(generated, local.generate(prompt, max_new_tokens=4,
-                                                                               do_sample=False))
+    greedy = dict(min_new_tokens=4, max_new_tokens=4, do_sample=False)  # 4 tokens even past an end-of-text token
+    generated = loaded.generate(prompt, **greedy)
+    assert generated.shape == (1, 7) and torch.equal(generated, local.generate(prompt, **greedy))
 
 
 # ---- trainer.push_to_hub's keywords ---------------------------------------------------------------------------------
