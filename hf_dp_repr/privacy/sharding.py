@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import DPConfigError, ProcessGroupError
+from ..scope.shards import is_dtensor
 
 MIN_TORCH = (2, 9)
 _WHY_TORCH = ("gloo's reduce-scatter with AVG silently sums on torch 2.7-2.8 (pytorch/pytorch#162338) and FSDP2 on CPU "
@@ -62,11 +63,7 @@ def base_type(module: nn.Module) -> type:
 
 def is_sharded(model: nn.Module | None) -> bool:
     """Whether any parameter of `model` is a DTensor (sharded by FSDP2, here or at load time)."""
-    if model is None:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return model is not None and any(is_dtensor(p) for p in model.parameters())
 
 
 def _process_group() -> tuple[int, str]:
@@ -106,10 +103,10 @@ def check_sharded_model(model: nn.Module) -> None:
     """A model that arrives sharded (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=W))`, or
     sharded by hand) must be what the DP reduction assumes: every parameter a DTensor sharded on dim 0 over a 1-D
     mesh of all processes (no tensor/pipeline/expert parallelism, no replication, no CPU offload)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     world, _ = _process_group()
-    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    plain = [n for n, p in model.named_parameters() if not is_dtensor(p)]
     if plain:
         raise DPConfigError(f"DPTrainer: the model is partly sharded: {len(plain)} parameter(s) are not DTensors "
                             f"({', '.join(plain[:4])}{' ...' if len(plain) > 4 else ''}), e.g. adapters attached "
