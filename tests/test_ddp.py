@@ -20,7 +20,7 @@ from transformers import ViTForImageClassification
 
 from ddp_worker import GLOBAL_BATCH, LR, SIGMA
 from hf_dp_repr.tiny import tiny_vit
-from utils import brute_force_unit_sum, launch_two_workers, norm_of_difference, user_dataset
+from utils import brute_force_unit_sum, launch_two_workers, norm_of_difference, printed_by_ranks, user_dataset
 
 pytestmark = pytest.mark.slow  # several processes under accelerate launch
 
@@ -137,9 +137,7 @@ def test_two_processes_log_the_plan_and_the_results_once(runs):
     """`accelerate launch` with 2 processes (gloo on CPU), the image recipe at ε = 8 with public pre-training: the
     plan table, the public pre-training lines and the result table each appear once over both processes' output, not
     once per process."""
-    logs = sorted((runs[1] / "logs").glob("logs.rank*.txt"))
-    assert len(logs) == 2
-    out = "".join(f.read_text() for f in logs)
+    out = printed_by_ranks(runs[1] / "logs", "logs")
     assert out.count("DP-SGD plan (") == 1, out[-5000:]
     assert out.count("public pre-training: 431 public examples") == 1
     assert out.count("| ε spent") == 1 and out.count("| test accuracy") == 1
@@ -155,7 +153,7 @@ def test_a_users_own_script_under_accelerate_launch_is_one_run(runs):
     assert [s["world_size"] for s in seen] == [2, 2] and [s["process_index"] for s in seen] == [0, 1]
     assert [s["should_save"] for s in seen] == [True, False]
     assert json.loads((user / "privacy_ledger.json").read_text())["world_size"] == 2
-    out = "".join(f.read_text() for f in (runs[1] / "logs").glob("user.rank*.txt"))
+    out = printed_by_ranks(runs[1] / "logs", "user")
     assert out.count("DP-SGD plan (") == 1, out[-5000:]
 
 
@@ -164,7 +162,7 @@ def test_the_lm_recipe_runs_sharded_under_accelerate_launch(runs):
     '{"fsdp_version": 2}'` (here the recipe's main in the shared launch) trains the documents (units) sharded, not as
     DDP, and ends with the result table and the DP model's sample: every process joins the sample's generate (a
     rank-0-only forward of a sharded model hung up the other rank and failed the run)."""
-    log = "".join(f.read_text() for f in sorted((runs[1] / "logs").glob("lm.rank*.txt")))
+    log = printed_by_ranks(runs[1] / "logs", "lm")
     assert "FSDP2: sharded over 2 processes" in log and log.count("| sample (greedy, DP model)") == 1, log[-5000:]
     out = runs[1] / "lm"
     ledger = json.loads((out / "privacy_ledger.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import launch_two_workers
+from utils import launch_two_workers, printed_by_ranks
 
 pytestmark = pytest.mark.slow  # several processes
 
@@ -24,8 +24,7 @@ def two_processes(tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{TESTS.parent}:{TESTS}"}
     launch_two_workers("trl_sft_worker.py", out, env, timeout=400, accelerate=True)
     runs = {name: torch.load(out / f"{name}.pt") for name in ("ddp", "fsdp_users", "ddp_noisy")}
-    return {**runs, "recipe": out / "recipe", "recipe_log": "".join(
-        f.read_text() for f in sorted((out / "recipe_logs").glob("rank*.txt")))}
+    return {**runs, "recipe": out / "recipe", "recipe_log": printed_by_ranks(out / "logs", "recipe")}
 
 
 def one_process(name, tmp_path):

@@ -60,5 +60,5 @@ if __name__ == "__main__":
                        os.path.join(out, f"{name}.pt"))
     from hf_dp_repr.scripts import sft
 
-    with printed_to(Path(out) / "recipe_logs" / f"rank{os.environ.get('RANK', '0')}.txt"):
+    with printed_to(Path(out) / "logs" / f"recipe.rank{os.environ.get('RANK', '0')}.txt"):
         sft.main([*RECIPE_ARGS, "--output_dir", str(Path(out) / "recipe")])

@@ -221,3 +221,9 @@ def printed_to(path: Path):
                 os.close(fd)
             if failed:
                 print(f"---- {path} ----\n{path.read_text()[-6000:]}", file=sys.stderr, flush=True)
+
+
+def printed_by_ranks(folder: Path, name: str, ranks: int = 2) -> str:
+    """What each of `ranks` processes printed under `printed_to(folder / f"{name}.rank<R>.txt")`, rank after rank (a
+    rank's missing file fails here, naming it)."""
+    return "".join((folder / f"{name}.rank{r}.txt").read_text() for r in range(ranks))

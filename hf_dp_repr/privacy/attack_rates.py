@@ -90,10 +90,10 @@ def gaussian_pld(history, neighboring: str, pessimistic: bool = True):
     from dp_accounting.pld import privacy_loss_distribution as pld
 
     relation = dp_accounting.NeighboringRelation
-    total = None
+    total, grid = None, pld_discretization(history)  # one grid for every phase: their PLDs compose
     for sigma, q, steps in history:
         step = pld.from_gaussian_mechanism(
-            sigma, pessimistic_estimate=pessimistic, value_discretization_interval=pld_discretization(history),
+            sigma, pessimistic_estimate=pessimistic, value_discretization_interval=grid,
             sampling_prob=q, use_connect_dots=pessimistic,  # connect-the-dots has no optimistic rounding
             neighboring_relation=relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE)
         step = step.self_compose(int(steps))
