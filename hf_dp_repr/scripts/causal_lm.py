@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     by_document = document_level(targs, margs.given_options)
     name = margs.model_name_or_path
-    public_fraction = margs.resolved_public_fraction(ru.is_tiny(name))
+    public_fraction = margs.resolved_public_fraction(ru.is_tiny(name), embedded_name(margs.dataset_name) is not None,
+                                                     name)
 
     docs = load_documents(margs)
     public_docs, private_docs = (None, docs["train"]) if public_fraction == 0 else ru.split_public_private(

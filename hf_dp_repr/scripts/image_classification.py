@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (accuracy, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     targs.remove_unused_columns = False  # the collator below picks the columns
+    model_name = margs.model_name_or_path
+    public_fraction = margs.resolved_public_fraction(ru.is_tiny(model_name), margs.dataset_name == DIGITS, model_name)
 
     data, image_col, label_col = load_image_data(margs, targs.seed)
     source = data["train"]._fingerprint  # the training split as selected, before preprocessing and splitting
-    model_name = margs.model_name_or_path
     num_labels, id2label = checks.class_names(
         data["train"], label_col, margs.num_labels, others=[data["eval"]],
         model_id2label=None if ru.is_tiny(model_name) else checks.model_config_labels(model_name))
@@ -117,7 +118,6 @@ def main(argv: list[str] | None = None) -> dict:
     data, processor = _with_pixel_values(data, margs, model, image_col, label_col)
     collate = _collate
 
-    public_fraction = margs.resolved_public_fraction(ru.is_tiny(model_name))
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
