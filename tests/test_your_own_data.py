@@ -49,3 +49,60 @@ def test_the_image_recipe_still_refuses_before_reading_the_data(tmp_path):
     with pytest.raises(RecipeArgumentError, match="randomly initialised"):
         image_recipe.main(["--dataset_name", str(tmp_path / "none.npz"), "--output_dir", str(tmp_path / "o"),
                            "--target_epsilon", "8", "--report_to", "none"])
+
+
+# ---- DP-aware defaults ---------------------------------------------------------------------------------------------
+def test_the_rule_chooses_a_probe_with_a_large_batch_from_public_quantities_only():
+    from hf_dp_repr.scripts.dp_defaults import choose
+
+    chosen = choose(n=228, epsilon=8.0, given=set()).values
+    assert chosen == {"trainable_blocks": 0, "head_init": "zeros", "per_device_train_batch_size": 57,
+                      "num_train_epochs": 40, "optim": "sgd", "learning_rate": 0.8}
+    assert choose(n=100_000, epsilon=1.0, given=set()).values["per_device_train_batch_size"] == 1024  # capped
+    assert choose(n=1000, epsilon=1.0, given=set()).values["learning_rate"] == 0.1  # grows with ε
+
+
+def test_every_explicit_flag_wins_and_the_rest_follows_it():
+    from hf_dp_repr.scripts.dp_defaults import choose
+
+    given = {"per_device_train_batch_size", "learning_rate", "max_steps"}
+    chosen = choose(n=1000, epsilon=8.0, given=given).values
+    assert not given & set(chosen) and "num_train_epochs" not in chosen  # max_steps given: no epochs chosen
+    blocks = choose(n=1000, epsilon=8.0, given={"trainable_blocks"}, trainable_blocks=2).values
+    assert "trainable_blocks" not in blocks and "head_init" not in blocks
+    assert (blocks["optim"], blocks["learning_rate"], blocks["num_train_epochs"]) == ("adamw_torch", 5e-4, 10)
+    assert blocks["per_device_train_batch_size"] * blocks["gradient_accumulation_steps"] == 224  # micro-batches of 32
+    assert choose(n=1000, epsilon=8.0, given={"optim"}, trainable_blocks=None).values["learning_rate"] == 0.8
+
+
+def test_the_recipe_applies_the_defaults_says_why_and_keeps_a_given_flag(tmp_path, caplog):
+    import json
+    import logging
+
+    argv = ["--dataset_name", _npz(tmp_path / "mine.npz", n=80), "--public_fraction", "0.5", "--public_epochs", "1",
+            "--target_epsilon", "8", "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none",
+            "--disable_tqdm", "true"]
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        image_recipe.main(argv + ["--output_dir", str(tmp_path / "a")])
+    assert "DP-aware defaults" in caplog.text and "--trainable_blocks 0: a linear probe" in caplog.text
+    plan = json.loads((tmp_path / "a" / "privacy_ledger.json").read_text())
+    assert plan["phases"][0]["expected_batch_size"] == 16 and plan["phases"][0]["steps"] == 40 * 2  # n = 40 private
+    image_recipe.main(argv + ["--output_dir", str(tmp_path / "b"), "--per_device_train_batch_size", "4"])
+    plan = json.loads((tmp_path / "b" / "privacy_ledger.json").read_text())
+    assert plan["phases"][0]["expected_batch_size"] == 4  # the user's flag wins
+
+
+def test_a_hopeless_update_snr_is_warned_before_training_naming_the_fixes(caplog):
+    import logging
+
+    from hf_dp_repr.privacy.ledger import Phase
+    from hf_dp_repr.training.report import LOW_UPDATE_SNR, warn_if_noise_drowns_updates
+
+    with caplog.at_level(logging.WARNING):
+        warn_if_noise_drowns_updates(Phase("train", 0.6345, 8 / 228, 86, 8), 22_713_606)  # the issue's run
+    assert "378× the norm" in caplog.text and "trainable_blocks=0" in caplog.text and "larger expected batch" in \
+        caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_if_noise_drowns_updates(Phase("train", 3.76, 0.25, 160, 102), 384 * 6 + 6)  # the defaults' probe
+    assert not caplog.text and LOW_UPDATE_SNR > 0.0026

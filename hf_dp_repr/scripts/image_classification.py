@@ -50,7 +50,7 @@ from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scope.preconditioning import parse_preconditioning
-from hf_dp_repr.scripts import checks
+from hf_dp_repr.scripts import checks, dp_defaults
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import AnalysisArguments, ClassificationArguments, PublicPretrainingArguments
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
+    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info)  # what the user did not set
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:

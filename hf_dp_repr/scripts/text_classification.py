@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_path
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.hub.card import ModelCardInfo
-from hf_dp_repr.scripts import checks
+from hf_dp_repr.scripts import checks, dp_defaults
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import ClassificationArguments
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.config.pad_token_id = tokenizer.pad_token_id
 
     train, evals = (tokenized(ds, tokenizer, text_col, label_col, margs.max_length) for ds in (train, evals))
+    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info)  # what the user did not set
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     card_info = ModelCardInfo(

@@ -1,0 +1,127 @@
+"""DP-aware defaults of the classification recipes: the training hyperparameters the user did not set, chosen by one
+rule from public quantities only (the number n of private examples, ε, whether the model is pretrained), never from
+the private data. Every option the user set (on the command line or in `--config`) wins; the rule fills in the
+others, knowing what was set. The plan prints what was chosen and why.
+
+The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measured in benchmarks/RESULTS.md,
+"DP-aware defaults", with `benchmarks/dp_defaults.py`):
+
+- What trains: a linear probe (`trainable_blocks=0`) on a pretrained model (or one pre-trained on public data): the
+  frozen backbone's features are computed once and only the head trains, so steps are cheap and the noise is spread
+  over few coordinates (Tobaben et al. 2023, Mehta et al. 2023: probes win at small n and ε). A model without
+  pretrained weights is refused earlier (`PublicPretrainingArguments.resolved_public_fraction`).
+- Expected batch: large, since the noise of an averaged update is σC/B and σ grows more slowly than B (Sander et al.
+  2023): a quarter of the data, `PROBE_SAMPLE_RATE`, capped at `MAX_BATCH`; a scope with blocks in it (the user's
+  `--trainable_blocks k`) accumulates micro-batches of `MICRO_BATCH`.
+- Steps: `PROBE_EPOCHS` epochs for a probe (160 steps at q = 1/4); `FINE_TUNE_EPOCHS` when blocks train.
+- Optimizer: plain SGD for a probe, with a learning rate that grows with ε (the best learning rate × steps grows about
+  linearly with ε: Panda et al. 2024), capped; a zero-initialised head (known to help under DP). AdamW at
+  `FINE_TUNE_LR` when blocks train (Li et al. 2022's large-batch DP fine-tuning).
+
+    >>> from hf_dp_repr.scripts.dp_defaults import choose
+    >>> chosen = choose(n=1000, epsilon=8.0, given=set())
+    >>> chosen.values["trainable_blocks"], chosen.values["per_device_train_batch_size"], chosen.values["optim"]
+    (0, 250, 'sgd')
+    >>> choose(n=1000, epsilon=8.0, given={"trainable_blocks", "learning_rate"}).values.get("learning_rate") is None
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The options the rule sets. Any of them given by the user is kept as given.
+TRAINING_HYPERPARAMETERS = ("trainable_blocks", "per_device_train_batch_size", "gradient_accumulation_steps",
+                            "num_train_epochs", "optim", "learning_rate", "head_init")
+# Options that choose what trains: given any of them, the rule leaves the scope alone (and does not zero the head).
+SCOPE_OPTIONS = ("trainable_blocks", "trainable_groups", "lp_steps")
+STEP_OPTIONS = ("num_train_epochs", "max_steps")
+
+PROBE_SAMPLE_RATE = 0.25  # expected batch = q·n ...
+MIN_BATCH, MAX_BATCH = 16, 1024  # ... within these bounds (and at most n)
+MICRO_BATCH = 32  # examples per forward/backward when blocks train (the rest is gradient accumulation)
+PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
+PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.1, 1.0  # SGD learning rate of a probe: 0.1·ε, at most 1
+FINE_TUNE_LR = 5e-4  # AdamW, when blocks train
+
+
+@dataclass
+class Defaults:
+    """What the rule chose (`values`: option → value) and why (`reasons`: one line per choice)."""
+
+    values: dict = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+
+    def set(self, name: str, value, why: str) -> None:
+        self.values[name] = value
+        self.reasons.append(f"--{name} {value}: {why}")
+
+    def describe(self) -> str:
+        if not self.values:
+            return "DP-aware defaults: none applied (every training hyperparameter was given)"
+        return ("DP-aware defaults (hf_dp_repr.scripts.dp_defaults; from n, ε and the model only; any option you give "
+                "wins):\n  " + "\n  ".join(self.reasons))
+
+
+def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int | None = None,
+           gradient_accumulation_steps: int = 1, world_size: int = 1) -> Defaults:
+    """The values of the `TRAINING_HYPERPARAMETERS` not in `given`, for `n` private examples (units) at `epsilon`
+    (None: σ given or an attack target: the learning rate of ε = 1); `trainable_blocks`, `gradient_accumulation_steps`,
+    `world_size`: the run's, when given."""
+    out = Defaults()
+    scope_given = bool(given & set(SCOPE_OPTIONS))
+    probe = (trainable_blocks == 0) if scope_given else True
+    if not scope_given:
+        out.set("trainable_blocks", 0, "a linear probe on the frozen pretrained backbone, its features computed once: "
+                                       "the noise falls on the head's few coordinates")
+    if probe and "head_init" not in given and not scope_given:
+        out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
+    batch = max(MIN_BATCH, min(MAX_BATCH, round(PROBE_SAMPLE_RATE * n)))
+    batch = min(batch, n)
+    if "per_device_train_batch_size" not in given:
+        accumulation = gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1
+        if not probe and "gradient_accumulation_steps" not in given and batch > MICRO_BATCH:
+            accumulation = max(1, batch // MICRO_BATCH)
+            out.set("gradient_accumulation_steps", accumulation, f"micro-batches of {MICRO_BATCH} when blocks train")
+        per_device = max(1, min(MICRO_BATCH if not probe else batch,
+                                batch // (max(accumulation, 1) * max(world_size, 1))))
+        out.set("per_device_train_batch_size", per_device,
+                f"expected batch {per_device * max(accumulation, 1) * max(world_size, 1)} of n = {n} "
+                f"(q ≈ {PROBE_SAMPLE_RATE:g}, within {MIN_BATCH}-{MAX_BATCH}): the update's noise is σC/B and σ grows "
+                "more slowly than B")
+    if not given & set(STEP_OPTIONS):
+        epochs = PROBE_EPOCHS if probe else FINE_TUNE_EPOCHS
+        out.set("num_train_epochs", epochs, f"about {epochs * max(1, n // batch)} steps; "
+                + ("a probe's steps are cheap on cached features" if probe else "each step runs the trained blocks"))
+    if "optim" not in given:
+        out.set("optim", "sgd" if probe else "adamw_torch",
+                "plain SGD for a probe (Adam would rescale every coordinate's noise to a full step)" if probe else
+                "AdamW for blocks (large-batch DP fine-tuning, Li et al. 2022)")
+    if "learning_rate" not in given:
+        optim_sgd = out.values.get("optim", "sgd" if probe else None) == "sgd"
+        if probe and optim_sgd:
+            lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0))
+            out.set("learning_rate", round(lr, 4), f"{PROBE_LR_PER_EPSILON:g}·ε (at most {PROBE_MAX_LR:g}): the best "
+                                                   "learning rate grows about linearly with ε")
+        else:
+            out.set("learning_rate", FINE_TUNE_LR, "Adam's step under DP noise, with a large batch")
+    return out
+
+
+def apply(training_args, defaults: Defaults) -> None:
+    """Set the chosen values on `training_args` (a `DPTrainingArguments`), as parsing would have."""
+    from transformers.training_args import OptimizerNames
+
+    for name, value in defaults.values.items():
+        setattr(training_args, name, OptimizerNames(value) if name == "optim" else value)
+
+
+def fill_in(training_args, n: int, given: set[str], log) -> Defaults:
+    """What a recipe calls before its checks: choose the defaults for the `n` private examples, set them on
+    `training_args`, and `log` what was chosen and why."""
+    args = training_args
+    defaults = choose(n, args.target_epsilon, given, args.trainable_blocks, args.gradient_accumulation_steps,
+                      args.world_size)
+    apply(args, defaults)
+    log(defaults.describe())
+    return defaults
