@@ -56,10 +56,11 @@ def test_the_rule_chooses_a_probe_with_a_large_batch_from_public_quantities_only
     from hf_dp_repr.scripts.dp_defaults import choose
 
     chosen = choose(n=228, epsilon=8.0, given=set()).values
-    assert chosen == {"trainable_blocks": 0, "head_init": "zeros", "per_device_train_batch_size": 57,
-                      "num_train_epochs": 40, "optim": "sgd", "learning_rate": 0.8}
+    assert chosen == {"trainable_blocks": 0, "head_init": "zeros", "clipping": "automatic",
+                      "per_device_train_batch_size": 57, "num_train_epochs": 40, "optim": "sgd", "learning_rate": 6.0}
     assert choose(n=100_000, epsilon=1.0, given=set()).values["per_device_train_batch_size"] == 1024  # capped
-    assert choose(n=1000, epsilon=1.0, given=set()).values["learning_rate"] == 0.1  # grows with ε
+    assert choose(n=1000, epsilon=1.0, given=set()).values["learning_rate"] == 0.75  # grows with ε
+    assert choose(n=1000, epsilon=100.0, given=set()).values["learning_rate"] == 8.0  # capped
 
 
 def test_every_explicit_flag_wins_and_the_rest_follows_it():
@@ -72,7 +73,8 @@ def test_every_explicit_flag_wins_and_the_rest_follows_it():
     assert "trainable_blocks" not in blocks and "head_init" not in blocks
     assert (blocks["optim"], blocks["learning_rate"], blocks["num_train_epochs"]) == ("adamw_torch", 5e-4, 10)
     assert blocks["per_device_train_batch_size"] * blocks["gradient_accumulation_steps"] == 224  # micro-batches of 32
-    assert choose(n=1000, epsilon=8.0, given={"optim"}, trainable_blocks=None).values["learning_rate"] == 0.8
+    assert choose(n=1000, epsilon=8.0, given={"optim"}, optim="sgd").values["learning_rate"] == 6.0
+    assert choose(n=1000, epsilon=8.0, given={"optim"}, optim="adamw_torch").values["learning_rate"] == 0.05
 
 
 def test_the_recipe_applies_the_defaults_says_why_and_keeps_a_given_flag(tmp_path, caplog):

@@ -15,7 +15,9 @@ The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measur
   `--trainable_blocks k`) accumulates micro-batches of `MICRO_BATCH`.
 - Steps: `PROBE_EPOCHS` epochs for a probe (160 steps at q = 1/4); `FINE_TUNE_EPOCHS` when blocks train.
 - Optimizer: plain SGD for a probe, with a learning rate that grows with ε (the best learning rate × steps grows about
-  linearly with ε: Panda et al. 2024), capped; a zero-initialised head (known to help under DP). AdamW at
+  linearly with ε: Panda et al. 2024), capped; a zero-initialised head (known to help under DP); automatic clipping
+  (each example's gradient scaled to norm about C, Bu et al. 2023), so that one learning rate fits backbones whose
+  features have different scales (a rule that must not look at the data cannot know them). AdamW at
   `FINE_TUNE_LR` when blocks train (Li et al. 2022's large-batch DP fine-tuning).
 
     >>> from hf_dp_repr.scripts.dp_defaults import choose
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 # The options the rule sets. Any of them given by the user is kept as given.
 TRAINING_HYPERPARAMETERS = ("trainable_blocks", "per_device_train_batch_size", "gradient_accumulation_steps",
-                            "num_train_epochs", "optim", "learning_rate", "head_init")
+                            "num_train_epochs", "optim", "learning_rate", "head_init", "clipping")
 # Options that choose what trains: given any of them, the rule leaves the scope alone (and does not zero the head).
 SCOPE_OPTIONS = ("trainable_blocks", "trainable_groups", "lp_steps")
 STEP_OPTIONS = ("num_train_epochs", "max_steps")
@@ -41,8 +43,9 @@ PROBE_SAMPLE_RATE = 0.25  # expected batch = q·n ...
 MIN_BATCH, MAX_BATCH = 16, 1024  # ... within these bounds (and at most n)
 MICRO_BATCH = 32  # examples per forward/backward when blocks train (the rest is gradient accumulation)
 PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
-PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.1, 1.0  # SGD learning rate of a probe: 0.1·ε, at most 1
+PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.75, 8.0  # SGD learning rate of a probe: 0.75·ε, at most 8
 FINE_TUNE_LR = 5e-4  # AdamW, when blocks train
+ADAM_PROBE_LR = 0.05  # a probe with an Adam-type --optim the user gave
 
 
 @dataclass
@@ -64,10 +67,10 @@ class Defaults:
 
 
 def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int | None = None,
-           gradient_accumulation_steps: int = 1, world_size: int = 1) -> Defaults:
+           gradient_accumulation_steps: int = 1, world_size: int = 1, optim: str = "adamw_torch") -> Defaults:
     """The values of the `TRAINING_HYPERPARAMETERS` not in `given`, for `n` private examples (units) at `epsilon`
     (None: σ given or an attack target: the learning rate of ε = 1); `trainable_blocks`, `gradient_accumulation_steps`,
-    `world_size`: the run's, when given."""
+    `world_size`, `optim`: the run's, read when given."""
     out = Defaults()
     scope_given = bool(given & set(SCOPE_OPTIONS))
     probe = (trainable_blocks == 0) if scope_given else True
@@ -76,6 +79,9 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
                                        "the noise falls on the head's few coordinates")
     if probe and "head_init" not in given and not scope_given:
         out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
+    if probe and "clipping" not in given:
+        out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023), so the "
+                                         "step size does not depend on the scale of the backbone's features")
     batch = max(MIN_BATCH, min(MAX_BATCH, round(PROBE_SAMPLE_RATE * n)))
     batch = min(batch, n)
     if "per_device_train_batch_size" not in given:
@@ -98,13 +104,15 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
                 "plain SGD for a probe (Adam would rescale every coordinate's noise to a full step)" if probe else
                 "AdamW for blocks (large-batch DP fine-tuning, Li et al. 2022)")
     if "learning_rate" not in given:
-        optim_sgd = out.values.get("optim", "sgd" if probe else None) == "sgd"
-        if probe and optim_sgd:
+        sgd = (optim if "optim" in given else out.values["optim"]) == "sgd"
+        if sgd:
             lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0))
             out.set("learning_rate", round(lr, 4), f"{PROBE_LR_PER_EPSILON:g}·ε (at most {PROBE_MAX_LR:g}): the best "
                                                    "learning rate grows about linearly with ε")
         else:
-            out.set("learning_rate", FINE_TUNE_LR, "Adam's step under DP noise, with a large batch")
+            lr = FINE_TUNE_LR if not probe else ADAM_PROBE_LR
+            out.set("learning_rate", lr, "Adam's step under DP noise, with a large batch" if not probe else
+                    "an Adam-type probe's (recipes/configs/minilm_stdlib_topics_eps8.yaml)")
     return out
 
 
@@ -121,7 +129,7 @@ def fill_in(training_args, n: int, given: set[str], log) -> Defaults:
     `training_args`, and `log` what was chosen and why."""
     args = training_args
     defaults = choose(n, args.target_epsilon, given, args.trainable_blocks, args.gradient_accumulation_steps,
-                      args.world_size)
+                      args.world_size, getattr(args.optim, "value", args.optim))
     apply(args, defaults)
     log(defaults.describe())
     return defaults
