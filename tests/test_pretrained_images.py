@@ -75,3 +75,24 @@ def test_a_one_channel_model_gets_a_one_channel_normalisation():
     assert out.shape == (1, 1, 8, 8)
     with pytest.raises(DPConfigError, match="--image_mean"):
         image_processor_for("my/vit", config, pretrained=False, image_mean=[0.5, 0.5, 0.5], image_std=[0.5] * 3)
+
+
+def test_another_size_for_a_model_that_does_not_interpolate_is_refused_before_any_work(tmp_path):
+    """A ViT (its position embeddings fixed to config.image_size) with --image_size of another size: refused by the
+    recipe in one line naming --image_size, before preprocessing, instead of at the first training step."""
+    import numpy as np
+
+    from hf_dp_repr.errors import RecipeArgumentError
+    from hf_dp_repr.scripts import image_classification as image_recipe
+    from hf_dp_repr.tiny import tiny_vit
+
+    tiny_vit(num_labels=2, image_size=16, num_channels=3).save_pretrained(tmp_path / "vit")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x_train=rng.integers(0, 255, (8, 16, 16, 3), dtype=np.uint8), y_train=np.arange(8) % 2,
+             x_test=rng.integers(0, 255, (4, 16, 16, 3), dtype=np.uint8), y_test=np.arange(4) % 2,
+             class_names=np.array(["a", "b"]))
+    with pytest.raises(RecipeArgumentError, match="--image_size 32: .* takes 16-px images"):
+        image_recipe.main(["--model_name_or_path", str(tmp_path / "vit"), "--dataset_name", str(tmp_path / "d.npz"),
+                           "--image_size", "32", "--target_epsilon", "8", "--target_delta", "1e-3",
+                           "--output_dir", str(tmp_path / "o"), "--report_to", "none"])
+    assert not (tmp_path / "o").exists()

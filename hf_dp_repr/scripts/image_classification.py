@@ -44,6 +44,7 @@ from hf_dp_repr.data.images import (
     per_class_indices,
     read_index_file,
     shift_images,
+    takes_any_image_size,
     to_pixel_values,
 )
 from hf_dp_repr.data.model_files import explained_load_errors
@@ -247,6 +248,11 @@ def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col)
         image_processor=margs.image_processor, image_size=margs.image_size, image_mean=margs.image_mean,
         image_std=margs.image_std)
     logger.info("image preprocessing: %s", how)
+    size, want = processor.size.get("height"), getattr(model.config, "image_size", None)
+    if size and isinstance(want, int) and size != want and not takes_any_image_size(model.config):
+        raise RecipeArgumentError(f"--image_size {size}: {margs.model_name_or_path} takes {want}-px images "
+                                  "(config.image_size) and does not interpolate its position embeddings; drop "
+                                  f"--image_size or pass {want}.")
     out = {k: to_pixel_values(ds, image_col, processor, model.config.num_channels, desc=f"preprocessing {k} images")
            for k, ds in data.items()}
     return out, processor
