@@ -1,7 +1,8 @@
 """DP-aware defaults of the classification recipes: the training hyperparameters the user did not set, chosen by one
 rule from public quantities only (the number n of private examples, ε, whether the model is pretrained), never from
 the private data. Every option the user set (on the command line or in `--config`) wins; the rule fills in the
-others, knowing what was set. The plan prints what was chosen and why.
+others, knowing what was set (a learning rate given keeps the optimizer and clipping it was chosen with: the
+library's). The plan prints what was chosen and why.
 
 The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measured in benchmarks/RESULTS.md,
 "DP-aware defaults", with `benchmarks/dp_defaults.py`):
@@ -43,7 +44,9 @@ PROBE_SAMPLE_RATE = 0.25  # expected batch = q·n ...
 MIN_BATCH, MAX_BATCH = 16, 1024  # ... within these bounds (and at most n)
 MICRO_BATCH = 32  # examples per forward/backward when blocks train (the rest is gradient accumulation)
 PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
-PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.75, 8.0  # SGD learning rate of a probe: 0.75·ε, at most 8
+# SGD learning rate of a probe: 0.45·ε / s, at most 8 / s, where s is the norm of the head's input on a data-free
+# input (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
+PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.45, 8.0
 FINE_TUNE_LR = 5e-4  # AdamW, when blocks train
 ADAM_PROBE_LR = 0.05  # a probe with an Adam-type --optim the user gave
 
@@ -67,10 +70,11 @@ class Defaults:
 
 
 def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int | None = None,
-           gradient_accumulation_steps: int = 1, world_size: int = 1, optim: str = "adamw_torch") -> Defaults:
+           gradient_accumulation_steps: int = 1, world_size: int = 1, optim: str = "adamw_torch",
+           feature_norm: float | None = None) -> Defaults:
     """The values of the `TRAINING_HYPERPARAMETERS` not in `given`, for `n` private examples (units) at `epsilon`
     (None: σ given or an attack target: the learning rate of ε = 1); `trainable_blocks`, `gradient_accumulation_steps`,
-    `world_size`, `optim`: the run's, read when given."""
+    `world_size`, `optim`: the run's, read when given; `feature_norm`: `head_input_norm` of the model (None: 1)."""
     out = Defaults()
     scope_given = bool(given & set(SCOPE_OPTIONS))
     probe = (trainable_blocks == 0) if scope_given else True
@@ -79,7 +83,8 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
                                        "the noise falls on the head's few coordinates")
     if probe and "head_init" not in given and not scope_given:
         out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
-    if probe and "clipping" not in given:
+    lr_given = "learning_rate" in given  # then the optimizer and clipping it was chosen with stay the library's
+    if probe and not given & {"clipping", "learning_rate"}:
         out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023), so the "
                                          "step size does not depend on the scale of the backbone's features")
     batch = max(MIN_BATCH, min(MAX_BATCH, round(PROBE_SAMPLE_RATE * n)))
@@ -99,16 +104,19 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
         epochs = PROBE_EPOCHS if probe else FINE_TUNE_EPOCHS
         out.set("num_train_epochs", epochs, f"about {epochs * max(1, n // batch)} steps; "
                 + ("a probe's steps are cheap on cached features" if probe else "each step runs the trained blocks"))
-    if "optim" not in given:
+    if not given & {"optim", "learning_rate"}:
         out.set("optim", "sgd" if probe else "adamw_torch",
                 "plain SGD for a probe (Adam would rescale every coordinate's noise to a full step)" if probe else
                 "AdamW for blocks (large-batch DP fine-tuning, Li et al. 2022)")
-    if "learning_rate" not in given:
+    if not lr_given:
         sgd = (optim if "optim" in given else out.values["optim"]) == "sgd"
         if sgd:
-            lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0))
-            out.set("learning_rate", round(lr, 4), f"{PROBE_LR_PER_EPSILON:g}·ε (at most {PROBE_MAX_LR:g}): the best "
-                                                   "learning rate grows about linearly with ε")
+            scale = feature_norm or 1.0
+            lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0)) / scale
+            out.set("learning_rate", float(f"{lr:.3g}"),
+                    f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the norm of the "
+                    "head's input on a data-free input: the best learning rate grows about linearly with ε, and a "
+                    "step moves the logits by about lr·C·s")
         else:
             lr = FINE_TUNE_LR if not probe else ADAM_PROBE_LR
             out.set("learning_rate", lr, "Adam's step under DP noise, with a large batch" if not probe else
@@ -124,12 +132,42 @@ def apply(training_args, defaults: Defaults) -> None:
         setattr(training_args, name, OptimizerNames(value) if name == "optim" else value)
 
 
-def fill_in(training_args, n: int, given: set[str], log) -> Defaults:
-    """What a recipe calls before its checks: choose the defaults for the `n` private examples, set them on
-    `training_args`, and `log` what was chosen and why."""
+def fill_in(training_args, n: int, given: set[str], log, model=None, blank_inputs: dict | None = None) -> Defaults:
+    """What a recipe calls before its checks: choose the defaults for the `n` private examples (with the feature
+    scale of `model` on `blank_inputs`, a data-free batch of one), set them on `training_args`, and `log` what was
+    chosen and why."""
     args = training_args
+    scale = head_input_norm(model, blank_inputs) if model is not None and blank_inputs is not None else None
     defaults = choose(n, args.target_epsilon, given, args.trainable_blocks, args.gradient_accumulation_steps,
-                      args.world_size, getattr(args.optim, "value", args.optim))
+                      args.world_size, getattr(args.optim, "value", args.optim), scale)
     apply(args, defaults)
     log(defaults.describe())
     return defaults
+
+
+def head_input_norm(model, blank_inputs: dict) -> float:
+    """The L2 norm of what the model's task head reads, on `blank_inputs`: a data-free batch of one (an all-zero
+    `pixel_values`, i.e. the normalisation mean's grey image; the tokenization of an empty text). A public quantity:
+    it depends on the pretrained weights only. The model is run in eval mode, without gradients, and left as found.
+
+        >>> from hf_dp_repr.tiny import tiny_vit
+        >>> import torch
+        >>> head_input_norm(tiny_vit(num_labels=2), {"pixel_values": torch.zeros(1, 1, 8, 8)}) > 0
+        True
+    """
+    import torch
+
+    from hf_dp_repr.scope.blocks import head_modules
+
+    head = head_modules(model)[0][1]
+    seen = []
+    hook = head.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(**blank_inputs)
+    finally:
+        hook.remove()
+        model.train(training)
+    return float(seen[0].float().reshape(-1, seen[0].shape[-1]).norm(dim=-1).mean())

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
-    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info)  # what the user did not set
+    blank = {"pixel_values": torch.zeros_like(torch.as_tensor(train[0]["pixel_values"]))[None]}  # a grey image
+    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info, model, blank)  # what the user did not set
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
