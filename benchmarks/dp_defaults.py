@@ -12,7 +12,8 @@ the class names are the folder names), with the real pretrained DINOv2-S of `../
 the family's defaults). `text`: six modules' docstring paragraphs of Python's standard library (`stdlib-topics`)
 with their module name as a string label, written as CSV (`text,category`) and loaded as the user's own data. Each
 row of the table is a recipe run with nothing but the model, the data, ε and the output folder given (plus `--extra`);
-the reference is the same run non-private (`--noise_multiplier 0 --clipping none`). Runs share one process, so the
+the reference is the same probe non-private (`--noise_multiplier 0 --clipping none`), plain SGD at the DP runs'
+learning rate and at 4× it, the better of the two. Runs share one process, so the
 frozen backbone's features are computed once. `snr` is the expected signal-to-noise of an update the run's plan
 gives (`hf_dp_repr.training.report.update_snr`: C over the noise norm of the averaged update).
 """
@@ -91,7 +92,7 @@ class PlanLines(logging.Handler):
 
     def __init__(self):
         super().__init__()
-        self.noise_norm = self.clip = None
+        self.noise_norm = self.clip = self.learning_rate = None
 
     def emit(self, record):
         text = record.getMessage()
@@ -99,6 +100,8 @@ class PlanLines(logging.Handler):
             self.noise_norm = float(m.group(1))
         if m := re.search(r"C=([0-9.e+-]+),", text):
             self.clip = float(m.group(1))
+        if m := re.search(r"--learning_rate ([0-9.e+-]+):", text):
+            self.learning_rate = float(m.group(1))
 
 
 def run(task: str, data: str, model: str | None, out: Path, seed: int, epsilon: float | None, extra: list[str]):
@@ -119,7 +122,7 @@ def run(task: str, data: str, model: str | None, out: Path, seed: int, epsilon: 
         logging.getLogger("hf_dp_repr").removeHandler(lines)
     snr = (lines.clip / lines.noise_norm) if lines.noise_norm else float("inf")
     return {"seed": seed, "epsilon": metrics.get("epsilon"), "accuracy": metrics["eval_accuracy"],
-            "snr": snr, "seconds": round(time.time() - start, 1)}
+            "snr": snr, "learning_rate": lines.learning_rate, "seconds": round(time.time() - start, 1)}
 
 
 def main(argv=None):
@@ -140,16 +143,21 @@ def main(argv=None):
     else:
         data, model = csv_as_dataset(make_text_csv(work), work), None  # the recipe's default model
     rows = [run(args.task, data, model, work / "run", s, args.epsilon, args.extra) for s in args.seeds]
-    ref = None if args.no_reference else run(args.task, data, model, work / "run", 0, None, args.extra)
+    refs = []  # plain SGD at the DP runs' learning rate and 4× it; the better one counts
+    for lr in ([] if args.no_reference else [rows[0]["learning_rate"], 4 * rows[0]["learning_rate"]]):
+        extra = ["--optim", "sgd", "--learning_rate", str(lr), *args.extra]
+        refs.append({**run(args.task, data, model, work / "run", 0, None, extra), "learning_rate": lr})
+    ref = max(refs, key=lambda r: r["accuracy"]) if refs else None
     accs = [100 * r["accuracy"] for r in rows]
-    summary = {"task": args.task, "epsilon": args.epsilon, "extra": args.extra, "runs": rows, "reference": ref,
+    summary = {"task": args.task, "epsilon": args.epsilon, "extra": args.extra, "runs": rows, "references": refs,
                "mean": statistics.mean(accs), "sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
                "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (work / f"{args.task}.json").write_text(json.dumps(summary, indent=2))
     print(f"{args.task}, ε = {args.epsilon:g}, given {' '.join(args.extra) or 'nothing else'}: "
           f"{summary['mean']:.1f} ± {summary['sd']:.1f} % over {len(rows)} runs "
           f"({', '.join(f'{a:.1f}' for a in accs)}); update SNR {rows[0]['snr']:.3g}; "
-          + (f"non-private reference {100 * ref['accuracy']:.1f} %" if ref else "no reference")
+          + (f"non-private reference {100 * ref['accuracy']:.1f} % (SGD lr {ref['learning_rate']:g})" if ref else
+             "no reference")
           + f"; load {summary['load'][0]:.1f}", flush=True)
     return summary
 
