@@ -172,3 +172,12 @@ def head_input_norm(model, blank_inputs: dict) -> float:
         hook.remove()
         model.train(training)
     return float(seen[0].float().reshape(-1, seen[0].shape[-1]).norm(dim=-1).mean())
+
+
+def blank_text(tokenizer) -> dict:
+    """The data-free text input of `head_input_norm`: an empty text's tokens (its special tokens), or the pad token
+    alone for a tokenizer that adds none (GPT-2's)."""
+    import torch
+
+    ids = tokenizer("")["input_ids"] or [tokenizer.pad_token_id]
+    return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}

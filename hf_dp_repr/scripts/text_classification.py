@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     train, evals = (tokenized(ds, tokenizer, text_col, label_col, margs.max_length) for ds in (train, evals))
     dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info, model,  # what the user did not set
-                        dict(tokenizer([""], return_tensors="pt")))  # the head's input scale on an empty text
+                        dp_defaults.blank_text(tokenizer))  # the head's input scale on an empty text
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     card_info = ModelCardInfo(
