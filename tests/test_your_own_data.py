@@ -57,11 +57,11 @@ def test_the_rule_chooses_a_probe_with_a_large_batch_from_public_quantities_only
 
     chosen = choose(n=228, epsilon=8.0, given=set()).values
     assert chosen == {"trainable_blocks": 0, "head_init": "zeros", "clipping": "automatic",
-                      "per_device_train_batch_size": 57, "num_train_epochs": 40, "optim": "sgd", "learning_rate": 3.6}
+                      "per_device_train_batch_size": 57, "num_train_epochs": 40, "optim": "sgd", "learning_rate": 7.2}
     assert choose(n=100_000, epsilon=1.0, given=set()).values["per_device_train_batch_size"] == 1024  # capped
-    assert choose(n=1000, epsilon=1.0, given=set()).values["learning_rate"] == 0.45  # grows with ε
+    assert choose(n=1000, epsilon=1.0, given=set()).values["learning_rate"] == 0.9  # grows with ε
     assert choose(n=1000, epsilon=100.0, given=set()).values["learning_rate"] == 8.0  # capped
-    assert choose(n=1000, epsilon=8.0, given=set(), feature_norm=72.0).values["learning_rate"] == 0.05  # DINOv2's
+    assert choose(n=1000, epsilon=8.0, given=set(), feature_norm=72.0).values["learning_rate"] == 0.1  # DINOv2's
 
 
 def test_every_explicit_flag_wins_and_the_rest_follows_it():
@@ -70,12 +70,12 @@ def test_every_explicit_flag_wins_and_the_rest_follows_it():
     given = {"per_device_train_batch_size", "learning_rate", "max_steps"}
     chosen = choose(n=1000, epsilon=8.0, given=given).values
     assert not given & set(chosen) and "num_train_epochs" not in chosen  # max_steps given: no epochs chosen
-    assert "optim" not in chosen and "clipping" not in chosen  # a given learning rate keeps what it was tuned with
+    assert not {"optim", "clipping", "trainable_blocks"} & set(chosen)  # a given lr keeps what it was tuned with
     blocks = choose(n=1000, epsilon=8.0, given={"trainable_blocks"}, trainable_blocks=2).values
     assert "trainable_blocks" not in blocks and "head_init" not in blocks
     assert (blocks["optim"], blocks["learning_rate"], blocks["num_train_epochs"]) == ("adamw_torch", 5e-4, 10)
     assert blocks["per_device_train_batch_size"] * blocks["gradient_accumulation_steps"] == 224  # micro-batches of 32
-    assert choose(n=1000, epsilon=8.0, given={"optim"}, optim="sgd").values["learning_rate"] == 3.6
+    assert choose(n=1000, epsilon=8.0, given={"optim"}, optim="sgd").values["learning_rate"] == 7.2
     assert choose(n=1000, epsilon=8.0, given={"optim"}, optim="adamw_torch").values["learning_rate"] == 0.05
 
 

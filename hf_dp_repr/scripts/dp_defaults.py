@@ -1,8 +1,9 @@
 """DP-aware defaults of the classification recipes: the training hyperparameters the user did not set, chosen by one
 rule from public quantities only (the number n of private examples, ε, whether the model is pretrained), never from
 the private data. Every option the user set (on the command line or in `--config`) wins; the rule fills in the
-others, knowing what was set (a learning rate given keeps the optimizer and clipping it was chosen with: the
-library's). The plan prints what was chosen and why.
+others, knowing what was set (a learning rate given keeps the scope, optimizer and clipping it was chosen with: the
+library's, every parameter trains; that is also how to ask for full fine-tuning). The plan prints what was chosen
+and why.
 
 The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measured in benchmarks/RESULTS.md,
 "DP-aware defaults", with `benchmarks/dp_defaults.py`):
@@ -45,9 +46,9 @@ PROBE_SAMPLE_RATE = 0.25  # expected batch = q·n ...
 MIN_BATCH, MAX_BATCH = 16, 1024  # ... within these bounds (and at most n)
 MICRO_BATCH = 32  # examples per forward/backward when blocks train (the rest is gradient accumulation)
 PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
-# SGD learning rate of a probe: 0.45·ε / s, at most 8 / s, where s is the norm of the head's input on a data-free
+# SGD learning rate of a probe: 0.9·ε / s, at most 8 / s, where s is the norm of the head's input on a data-free
 # input (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
-PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.45, 8.0
+PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.9, 8.0
 FINE_TUNE_LR = 5e-4  # AdamW, when blocks train
 ADAM_PROBE_LR = 0.05  # a probe with an Adam-type --optim the user gave
 
@@ -77,14 +78,15 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
     (None: σ given or an attack target: the learning rate of ε = 1); `trainable_blocks`, `gradient_accumulation_steps`,
     `world_size`, `optim`: the run's, read when given; `feature_norm`: `head_input_norm` of the model (None: 1)."""
     out = Defaults()
-    scope_given = bool(given & set(SCOPE_OPTIONS))
+    # a learning rate given was chosen for the library's scope (every parameter), optimizer and clipping: kept
+    scope_given = bool(given & {*SCOPE_OPTIONS, "learning_rate"})
     probe = (trainable_blocks == 0) if scope_given else True
     if not scope_given:
         out.set("trainable_blocks", 0, "a linear probe on the frozen pretrained backbone, its features computed once: "
                                        "the noise falls on the head's few coordinates")
     if probe and "head_init" not in given and not scope_given:
         out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
-    lr_given = "learning_rate" in given  # then the optimizer and clipping it was chosen with stay the library's
+    lr_given = "learning_rate" in given
     if probe and not given & {"clipping", "learning_rate"}:
         out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023): examples "
                                          "the head already fits still count, which helped at small ε")
