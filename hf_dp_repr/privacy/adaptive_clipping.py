@@ -26,7 +26,7 @@ Example:
     >>> round(gradient_noise_multiplier(1.0, spec.count_noise), 4)  # (1 − 1/100)^(−1/2)
     1.005
     >>> round(next_clip_norm(1.0, noisy_unclipped_fraction(-2.0, 8), spec), 4)  # 1/4 of 8 below C: C grows
-    1.051
+    1.0513
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ class AdaptiveClipping:
         if not isinstance(value, dict) or any(k not in _KEYS for k in value):
             raise DPConfigError(f"adaptive_clipping={value!r}: give a dict or 'key=value,...' with keys {_KEYS}.")
         try:
-            return cls(**{k: float(v) for k, v in value.items()})
+            numbers = {k: float(v) for k, v in value.items()}
         except (TypeError, ValueError):
             raise DPConfigError(f"adaptive_clipping={value!r}: every value must be a number.") from None
+        return cls(**numbers)
 
     def __str__(self) -> str:
         return ",".join(f"{k}={v:g}" for k, v in asdict(self).items() if v is not None)
