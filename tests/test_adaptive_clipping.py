@@ -258,3 +258,16 @@ def test_refusals_before_any_work(data128, tmp_path):
     with pytest.raises(DPConfigError, match="2σ_b > σ"):
         trainer.train()
     assert not (tmp_path / "small").exists() or not any((tmp_path / "small").iterdir())
+
+
+def test_count_share_sets_sigma_b_from_the_calibrated_sigma(tmp_path):
+    """count_share=0.1: (2σ_b)⁻² = 0.1·σ⁻², so σ_eff = σ/√0.9, whatever σ the target ε calibrated."""
+    from hf_dp_repr.training.plan import plan_run
+
+    args = _args(tmp_path, adaptive_clipping="count_share=0.1", target_epsilon=1.0, per_device_train_batch_size=128)
+    the_plan = plan_run(args, dataset_size=1000)
+    sigma = the_plan.phases[0].noise_multiplier
+    assert the_plan.adaptive_clipping.count_noise == pytest.approx(sigma / (2 * 0.1 ** 0.5))
+    assert the_plan.gradient_noise_multiplier(0) == pytest.approx(sigma / 0.9 ** 0.5)
+    with pytest.raises(DPConfigError, match="not both"):
+        plan_run(_args(tmp_path, adaptive_clipping="count_share=0.1,count_noise=3"), dataset_size=1000)

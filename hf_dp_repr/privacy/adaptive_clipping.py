@@ -39,17 +39,19 @@ from ..errors import DPConfigError
 # Andrew et al. (2021), section 3: η_C = 0.2 (geometric update), γ = 0.5, σ_b = expected batch / 20.
 DEFAULT_LEARNING_RATE = 0.2
 COUNT_NOISE_PER_BATCH = 1 / 20
-_KEYS = ("quantile", "learning_rate", "count_noise")
+_KEYS = ("quantile", "learning_rate", "count_noise", "count_share")
 
 
 @dataclass(frozen=True)
 class AdaptiveClipping:
     """The adaptive-clipping settings of a plan: the target quantile γ, the learning rate η_C and σ_b, the count's
-    noise std (None until the plan resolves it from the expected batch)."""
+    noise std, given, or from `count_share` (the share of σ⁻² the count takes: (2σ_b)⁻² = share·σ⁻²), or else the
+    expected batch / 20 (None until the plan resolves it, `resolved`)."""
 
     quantile: float = 0.5
     learning_rate: float = DEFAULT_LEARNING_RATE
     count_noise: float | None = None
+    count_share: float | None = None
 
     def __post_init__(self):
         if not 0 < self.quantile < 1:
@@ -59,6 +61,9 @@ class AdaptiveClipping:
             raise DPConfigError(f"adaptive_clipping: learning_rate={self.learning_rate} must be > 0 (e.g. 0.2).")
         if self.count_noise is not None and not self.count_noise >= 0:
             raise DPConfigError(f"adaptive_clipping: count_noise={self.count_noise} (σ_b) must be >= 0.")
+        if self.count_share is not None and not 0 < self.count_share < 1:
+            raise DPConfigError(f"adaptive_clipping: count_share={self.count_share} must be in (0, 1) (e.g. 0.1: the "
+                                "count takes a tenth of σ⁻², the gradient's noise grows by 1/√0.9, 5 %).")
 
     @classmethod
     def parse(cls, value) -> "AdaptiveClipping":
@@ -83,11 +88,16 @@ class AdaptiveClipping:
     def __str__(self) -> str:
         return ",".join(f"{k}={v:g}" for k, v in asdict(self).items() if v is not None)
 
-    def resolved(self, expected_batch_size: int) -> "AdaptiveClipping":
-        """σ_b fixed: the given one, else Andrew et al.'s expected batch / 20."""
+    def resolved(self, expected_batch_size: int, sigma: float) -> "AdaptiveClipping":
+        """σ_b fixed: the given one; from count_share for the largest phase σ `sigma` (smaller σ: a smaller share);
+        else Andrew et al.'s expected batch / 20."""
+        if self.count_noise is not None and self.count_share is not None:
+            raise DPConfigError("adaptive_clipping: give count_noise (σ_b) or count_share, not both.")
         if self.count_noise is not None:
             return self
-        return AdaptiveClipping(self.quantile, self.learning_rate, COUNT_NOISE_PER_BATCH * expected_batch_size)
+        noise = (sigma / (2 * math.sqrt(self.count_share)) if self.count_share is not None else
+                 COUNT_NOISE_PER_BATCH * expected_batch_size)
+        return AdaptiveClipping(self.quantile, self.learning_rate, noise, self.count_share)
 
 
 def gradient_noise_multiplier(sigma: float, count_noise: float) -> float:
@@ -99,8 +109,8 @@ def gradient_noise_multiplier(sigma: float, count_noise: float) -> float:
         raise DPConfigError(
             f"adaptive_clipping: count_noise σ_b = {count_noise:.4g} is too small for the total noise multiplier "
             f"σ = {sigma:.4g}: the count and the gradient share σ as σ⁻² = σ_eff⁻² + (2σ_b)⁻², which needs "
-            f"2σ_b > σ; set adaptive_clipping count_noise above {sigma / 2:.4g} (Andrew et al.: expected batch / 20; "
-            "a larger logical batch helps).")
+            f"2σ_b > σ; set adaptive_clipping count_noise above {sigma / 2:.4g}, or count_share=0.1 (σ_b from σ: "
+            "the count takes a tenth of σ⁻²).")
     return (sigma ** -2 - (2 * count_noise) ** -2) ** -0.5
 
 

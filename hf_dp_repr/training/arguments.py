@@ -127,7 +127,8 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "Adaptive clipping (Andrew et al. 2021): C starts at per_sample_max_grad_norm and follows a "
                   "quantile of the per-example norms, from a noisy count that takes a share of σ (accounted): "
                   "'quantile=0.5,learning_rate=0.2,count_noise=S' (any subset, or 'on' for these defaults; "
-                  "count_noise σ_b defaults to the expected batch / 20). flat clipping only. See "
+                  "count_noise σ_b defaults to the expected batch / 20; or count_share=F: the count takes the share F "
+                  "of σ⁻²). flat clipping only. See "
                   "privacy.adaptive_clipping."},
     )
     clipping_engine: str = field(

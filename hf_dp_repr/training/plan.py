@@ -88,7 +88,8 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
     check_signal_survives(phases, args, n)
     adaptive = None
     if args.adaptive_clipping is not None:  # σ_b fixed now; each phase's σ must leave the gradient its share
-        adaptive = AdaptiveClipping.parse(args.adaptive_clipping).resolved(phases[-1].expected_batch_size)
+        adaptive = AdaptiveClipping.parse(args.adaptive_clipping).resolved(
+            phases[-1].expected_batch_size, max(p.noise_multiplier for p in phases))
         for phase in phases:
             gradient_noise_multiplier(phase.noise_multiplier, adaptive.count_noise)
     return PrivacyPlan(
