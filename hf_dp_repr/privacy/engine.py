@@ -56,7 +56,7 @@ from .sharding import is_sharded, parameter_keys
 from .units import ROW, UnitPoissonBatchSampler
 
 # What the engine takes from a checkpoint's ledger must be its own plan's (the caller checked the whole plan).
-_MECHANICS = ("phases", "per_sample_max_grad_norm", "clipping", "privacy_unit", "world_size")
+_MECHANICS = ("phases", "per_sample_max_grad_norm", "clipping", "privacy_unit", "world_size", "adaptive_clipping")
 
 
 @dataclass(frozen=True)
