@@ -172,7 +172,7 @@ def test_epsilon_equals_dp_accountings_for_the_gradient_and_the_count_together(n
 
     relation = dp_accounting.NeighboringRelation
     relation = relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE
-    for q, steps in ((1.0, 3), (0.25, 40)):
+    for q, steps in ((1.0, 3), (0.25, 10)):
         the_plan = PrivacyPlan(accountant="pld", target_delta=1e-5, per_sample_max_grad_norm=C0, clipping="flat",
                                dataset_size=400, poisson_sampling=True,
                                phases=[Phase("train", 1.3, q, steps, int(q * 400))], neighboring=neighboring,
@@ -182,7 +182,7 @@ def test_epsilon_equals_dp_accountings_for_the_gradient_and_the_count_together(n
         sigma_eff, sigma_b = stated["gradient_noise_multipliers"][0], stated["adaptive_clipping"]["count_noise"]
         assert stated["phases"][0]["noise_multiplier"] == 1.3 and sigma_b == 2.0
         assert sigma_eff == pytest.approx((1.3 ** -2 - 4.0 ** -2) ** -0.5) and sigma_eff > 1.3
-        acc = PLDAccountant(relation, value_discretization_interval=1e-4)
+        acc = PLDAccountant(relation, value_discretization_interval=1e-3)  # the ledger's grid (pld_discretization)
         if q == 1.0:
             acc.compose(dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(sigma_eff),
                                                        dp_accounting.GaussianDpEvent(2 * sigma_b)]), steps)
@@ -261,13 +261,15 @@ def test_refusals_before_any_work(data128, tmp_path):
 
 
 def test_count_share_sets_sigma_b_from_the_calibrated_sigma(tmp_path):
-    """count_share=0.1: (2σ_b)⁻² = 0.1·σ⁻², so σ_eff = σ/√0.9, whatever σ the target ε calibrated."""
+    """count_share=0.1: (2σ_b)⁻² = 0.1·σ⁻², so σ_eff = σ/√0.9, whatever σ the plan has."""
     from hf_dp_repr.training.plan import plan_run
 
-    args = _args(tmp_path, adaptive_clipping="count_share=0.1", target_epsilon=1.0, per_device_train_batch_size=128)
+    args = _args(tmp_path, adaptive_clipping="count_share=0.1", target_epsilon=None, noise_multiplier=14.3,
+                 per_device_train_batch_size=128)  # (the demo's σ at ε = 1, where σ_b = 128/20 is refused)
     the_plan = plan_run(args, dataset_size=1000)
     sigma = the_plan.phases[0].noise_multiplier
     assert the_plan.adaptive_clipping.count_noise == pytest.approx(sigma / (2 * 0.1 ** 0.5))
     assert the_plan.gradient_noise_multiplier(0) == pytest.approx(sigma / 0.9 ** 0.5)
     with pytest.raises(DPConfigError, match="not both"):
-        plan_run(_args(tmp_path, adaptive_clipping="count_share=0.1,count_noise=3"), dataset_size=1000)
+        plan_run(_args(tmp_path, adaptive_clipping="count_share=0.1,count_noise=3", target_epsilon=None,
+                       noise_multiplier=1.0), dataset_size=1000)
