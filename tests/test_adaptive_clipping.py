@@ -21,10 +21,10 @@ C0, N, BATCH, STEPS, SEED = 0.5, 8, 4, 5, 11
 SPEC = dict(quantile=0.5, learning_rate=0.3)
 
 
-def plan(sigma, count_noise, batch=BATCH, steps=STEPS, n=N) -> PrivacyPlan:
+def plan(sigma, count_noise, batch=BATCH, steps=STEPS, n=N, unit="row") -> PrivacyPlan:
     return PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=C0, clipping="flat",
                        dataset_size=n, poisson_sampling=True, phases=[Phase("train", sigma, batch / n, steps, batch)],
-                       randomness="seeded",
+                       randomness="seeded", privacy_unit=unit,
                        adaptive_clipping=AdaptiveClipping(**SPEC, count_noise=count_noise))
 
 
@@ -38,16 +38,16 @@ def data():
     return torch.randn(N, 3, generator=g) * 3, torch.randn(N, 1, generator=g)
 
 
-def run_engine(the_plan, clipper="ghost", micro=2, x=None, y=None):
-    """The plan's steps through DPEngine alone; returns (the rows of each step, the weights before each step, the
-    weights after the last, the engine)."""
+def run_engine(the_plan, clipper="ghost", micro=2, x=None, y=None, units=None):
+    """The plan's steps through DPEngine alone (`units`: each row's unit index, with a privacy unit); returns (the rows
+    of each step, the weights before each step, the weights after the last, the engine)."""
     net = model()
     if x is None:
         x, y = data()
     engine = DPEngine(the_plan, EngineOptions(clipping_engine=clipper, micro_batches_per_step=micro),
                       DPRandomness(noise_seed=SEED))
     optimizer = engine.start(torch.optim.SGD(net.parameters(), lr=0.5), net)
-    chunks = list(engine.batch_sampler())
+    chunks = list(engine.batch_sampler(None if units is None else torch.as_tensor(units).numpy()))
     steps, weights = [], []
     for t in range(the_plan.planned_steps):
         engine.enter_phase()
@@ -57,7 +57,7 @@ def run_engine(the_plan, clipper="ghost", micro=2, x=None, y=None):
             if rows:
                 with engine.recording(len(rows)):
                     ((net(x[rows]) - y[rows]) ** 2).sum().backward()
-                engine.after_backward()
+                engine.after_backward(None if units is None else torch.as_tensor(units)[list(rows)])
                 rows_of_step += list(rows)
         optimizer.step()
         optimizer.zero_grad()
@@ -79,14 +79,21 @@ def example_grads(weights, rows, x, y):
     return out
 
 
-def brute_force(the_plan, steps, weights, x, y):
+def brute_force(the_plan, steps, weights, x, y, units=None):
     """Replays the run in float64: each step's clipped sum with that step's C, the gradient noise σ_eff·C from the
     step's stream, the count Σ(b_i − 1/2) + N(0, σ_b²) from the count's stream, and C ← C·exp(−η(b̃ − γ))."""
-    spec, sigma = the_plan.adaptive_clipping, the_plan.phases[0].noise_multiplier
+    spec, (phase,) = the_plan.adaptive_clipping, the_plan.phases
+    sigma, batch = phase.noise_multiplier, phase.expected_batch_size
     sigma_eff = gradient_noise_multiplier(sigma, spec.count_noise)
     secret, c, cs, updates = DPRandomness(noise_seed=SEED), C0, [], []
     for t, (rows, w) in enumerate(zip(steps, weights)):
         grads = example_grads(w, rows, x, y)
+        if units is not None:  # a unit's gradient: the sum of its rows'; one norm, one count, one clip per unit
+            by_unit = {}
+            for i, g in zip(rows, grads):
+                held = by_unit.get(units[i])
+                by_unit[units[i]] = g if held is None else [a + b for a, b in zip(held, g)]
+            grads = list(by_unit.values())
         total = [torch.zeros_like(p, dtype=torch.float64) for p in w]
         count = 0.0
         for g in grads:
@@ -96,11 +103,11 @@ def brute_force(the_plan, steps, weights, x, y):
         if sigma > 0:
             gen = secret.noise_generator(t)
             total = [s + torch.normal(0.0, sigma_eff * c, s.shape, generator=gen).double() for s in total]
-        updates.append([s / BATCH for s in total])
+        updates.append([s / batch for s in total])
         if spec.count_noise > 0:
             count += float(torch.normal(0.0, spec.count_noise, (1,), generator=secret.count_noise_generator(t),
                                         dtype=torch.float64))
-        c = c * math.exp(-spec.learning_rate * (count / BATCH + 0.5 - spec.quantile))
+        c = c * math.exp(-spec.learning_rate * (count / batch + 0.5 - spec.quantile))
         cs.append(c)
     return cs, updates
 
@@ -117,6 +124,21 @@ def test_c_sequence_and_each_steps_clipped_sum_equal_a_float64_brute_force(clipp
     assert engine.ledger.clip_norms == pytest.approx(want_cs, rel=1e-9)
     assert len(set(engine.ledger.clip_norms)) >= 2  # C moved (it stays where b̃ = γ exactly, σ_b = 0)
     for t in range(STEPS):  # the applied update of step t: w_t − w_{t+1} = lr · grad_t
+        after = weights[t + 1] if t + 1 < STEPS else final
+        for w0, w1, u in zip(weights[t], after, updates[t]):
+            torch.testing.assert_close((w0 - w1).double() / 0.5, u, rtol=1e-4, atol=1e-6)
+
+
+def test_with_a_privacy_unit_each_unit_is_counted_once_by_its_summed_norm():
+    """Units of 1 to 3 rows (the hooks engine: a unit may span micro-batches): the C sequence and the updates of the
+    float64 brute force on per-unit summed gradients."""
+    units = [0, 0, 1, 2, 2, 2, 3, 4]
+    x, y = data()
+    the_plan = plan(0.8, 0.6, batch=2, n=5, unit="user")
+    steps, weights, final, engine = run_engine(the_plan, "hooks", units=units)
+    want_cs, updates = brute_force(the_plan, steps, weights, x, y, units)
+    assert engine.ledger.clip_norms == pytest.approx(want_cs, rel=1e-9)
+    for t in range(STEPS):
         after = weights[t + 1] if t + 1 < STEPS else final
         for w0, w1, u in zip(weights[t], after, updates[t]):
             torch.testing.assert_close((w0 - w1).double() / 0.5, u, rtol=1e-4, atol=1e-6)
