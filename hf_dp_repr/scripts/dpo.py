@@ -124,19 +124,20 @@ def load_policy(margs: DPOArguments, tokenizer, targs):
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (ε of this run, and composed with the SFT run's)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
-    if "privacy_unit" not in margs.given_options and margs.dataset_name == STDLIB_CHATS:
+    if "privacy_unit" not in margs.given_options and ru.dataset_name(margs) == STDLIB_CHATS:
         targs.privacy_unit = USER_ID
     if margs.sft_model is not None and margs.tokenizer_name is None:
         margs.tokenizer_name = margs.sft_model  # the SFT run saved its tokenizer (and chat template) there
-    train, evaluation = (None if d is None else conversation_pairs(d) for d in load_chats(margs))
+    train, evaluation = (None if d is None else conversation_pairs(d) for d in load_chats(margs, targs.seed))
     tokenizer = load_tokenizer(margs)
     model = load_policy(margs, tokenizer, targs)
     peft_config = lora_config(margs)
     card_info = ModelCardInfo(
-        model_name=f"{margs.sft_model or margs.model_name_or_path} preference-tuned (DPO) on {margs.dataset_name}",
+        model_name=f"{margs.sft_model or margs.model_name_or_path} preference-tuned (DPO) on "
+                   f"{ru.data_description(margs)}",
         private_data=f"{len(train)} preference pairs built from the '{margs.train_split}' conversations of "
-                     f"{margs.dataset_name} (chosen: the conversation's answer, rejected: another answer of the same "
-                     "user); the DP SFT model it starts from was trained on the same users",
+                     f"{ru.data_description(margs)} (chosen: the conversation's answer, rejected: another answer of "
+                     "the same user); the DP SFT model it starts from was trained on the same users",
         public_data="the DP SFT model (its own guarantee is in its card) and its tokenizer")
     trainer = DPDPOTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)
