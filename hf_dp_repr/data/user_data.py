@@ -6,7 +6,7 @@
   mixing two formats is refused instead of silently reading one), or one data file;
 - `--train_file` / `--validation_file` / `--test_file`: data files of one format;
 - `--text_column`, `--label_column`, `--image_column`, checked against the columns present;
-- `--label_names`: the set of classes. It is schema, not data: taken from `--label_names` or the dataset's declared
+- `--class_names`: the set of classes. It is schema, not data: taken from `--class_names` or the dataset's declared
   `ClassLabel`; string labels with neither are encoded with the sorted set of the labels present, which is then
   read off the private rows and published with the model (`LabelSet.read_off_rows`, said in the plan and the card);
 - a missing evaluation split is held out from the training data (`hold_out`), said in the plan and the card.
@@ -167,15 +167,15 @@ class LabelSet:
             return None
         return (f"the label set ({len(self.names)} classes: {', '.join(self.names[:5])}"
                 f"{', ...' if len(self.names) > 5 else ''}) was read off the training rows and is published with the "
-                "model (id2label); declare it with --label_names to keep it out of the data")
+                "model (id2label); declare it with --class_names to keep it out of the data")
 
 
 def raw_labels(split, column: str) -> list:
     return list(split.with_format(None)[column])
 
 
-def encode_labels(raw, column: str, label_names: list[str] | None = None) -> LabelSet:
-    """Cast `column` of every split of `raw` (a DatasetDict) to a `ClassLabel`: the dataset's own, `label_names`, or
+def encode_labels(raw, column: str, class_names: list[str] | None = None) -> LabelSet:
+    """Cast `column` of every split of `raw` (a DatasetDict) to a `ClassLabel`: the dataset's own, `class_names`, or
     (string labels, neither given) the sorted labels present in the data, flagged `read_off_rows`."""
     import datasets
 
@@ -183,26 +183,26 @@ def encode_labels(raw, column: str, label_names: list[str] | None = None) -> Lab
     feature = splits[0].features.get(column)
     declared = getattr(feature, "names", None)
     if declared:
-        if label_names and list(label_names) != list(declared):
-            raise RecipeArgumentError(f"--label_names {label_names}, but the dataset declares the classes {declared} "
-                                      f"in column {column!r}; drop --label_names.")
+        if class_names and list(class_names) != list(declared):
+            raise RecipeArgumentError(f"--class_names {class_names}, but the dataset declares the classes {declared} "
+                                      f"in column {column!r}; drop --class_names.")
         return LabelSet(raw, list(declared))
     strings = getattr(feature, "dtype", None) in ("string", "large_string")
-    if not strings and not label_names:
+    if not strings and not class_names:
         return LabelSet(raw, None)  # integer labels, no names: --num_labels declares them (checks.class_names)
-    read_off = label_names is None
-    names = list(label_names) if label_names else sorted({str(v) for s in splits for v in raw_labels(s, column)})
+    read_off = class_names is None
+    names = list(class_names) if class_names else sorted({str(v) for s in splits for v in raw_labels(s, column)})
     if strings:
         index = {name: i for i, name in enumerate(names)}
         unknown = sorted({v for s in splits for v in raw_labels(s, column)} - set(index))
         if unknown:
-            raise DataError(f"column {column!r} holds labels not in --label_names: {unknown[:5]}; add them to "
-                            f"--label_names (now {names})")
+            raise DataError(f"column {column!r} holds labels not in --class_names: {unknown[:5]}; add them to "
+                            f"--class_names (now {names})")
         raw = raw.map(lambda b: {column: [index[v] for v in b[column]]}, batched=True)
     else:
         bad = sorted({int(v) for s in splits for v in raw_labels(s, column)} - set(range(len(names))))
         if bad:
-            raise DataError(f"column {column!r} holds labels {bad[:5]} outside the {len(names)} --label_names "
+            raise DataError(f"column {column!r} holds labels {bad[:5]} outside the {len(names)} --class_names "
                             f"(0..{len(names) - 1})")
     raw = raw.cast_column(column, datasets.ClassLabel(names=names))
     labels = LabelSet(raw, names, read_off_rows=read_off)

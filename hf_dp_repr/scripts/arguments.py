@@ -57,8 +57,9 @@ class ClassificationArguments(ScriptArguments):
 
     label_column: str | None = field(default=None, metadata={
         "help": "Label column (default: the first of labels, label, fine_label). String labels become a ClassLabel."})
-    label_names: list[str] | None = field(default=None, metadata={
-        "help": "The classes, in id order, e.g. negative positive: declared rather than read off the private rows "
+    class_names: list[str] | None = field(default=None, metadata={
+        "help": "The classes, in id order, e.g. negative positive (the Trainer's own --label_names names input keys): "
+                "declared rather than read off the private rows "
                 "(without it, string labels are encoded with the sorted set of labels present, which the model then "
                 "publishes; the plan and the card say so)."})
     num_labels: int | None = field(default=None, metadata={

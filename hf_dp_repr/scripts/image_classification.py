@@ -224,7 +224,7 @@ def load_image_data(margs: ImageArguments, seed: int):
     columns = next(iter(raw.values())).column_names
     image_col = check_column(columns, margs.image_column, ("pixel_values", "image", "img"), "--image_column")
     label_col = check_column(columns, margs.label_column, ("labels", "label", "fine_label"), "--label_column")
-    labels = encode_labels(raw, label_col, margs.label_names)
+    labels = encode_labels(raw, label_col, margs.class_names)
     train, evals, held_out = ru.pick_splits(labels.data, margs, seed)
     notes = [n for n in (labels.note, held_out) if n]
     if margs.train_indices_file and margs.max_train_samples_per_class:

@@ -56,7 +56,7 @@ class SynthArguments(PublicPretrainingArguments, ScriptArguments):
     label_column: str | None = field(default=None, metadata={
         "help": "Label column, the control codes (default: the first of labels, label). String labels become a "
                 "ClassLabel."})
-    label_names: list[str] | None = field(default=None, metadata={
+    class_names: list[str] | None = field(default=None, metadata={
         "help": "The labels (control codes), in id order: declared rather than read off the private rows (without it "
                 "string labels are encoded with the sorted set present, which the synthetic data then publishes)."})
     max_length: int = field(default=64, metadata={"help": "Tokens per training row (control code included)."})
@@ -157,7 +157,7 @@ def load_labelled(margs: SynthArguments, seed: int):
     columns = next(iter(raw.values())).column_names
     text_col = check_column(columns, margs.text_column, ("text", "sentence", "content"), "--text_column")
     label_col = check_column(columns, margs.label_column, ("labels", "label"), "--label_column")
-    labels = encode_labels(raw, label_col, margs.label_names)
+    labels = encode_labels(raw, label_col, margs.class_names)
     raw = labels.data.select_columns([text_col, label_col])
     raw = raw.rename_columns({k: v for k, v in ((text_col, "text"), (label_col, "labels")) if k != v})
     train, test, held_out = ru.pick_splits(raw, margs, seed)

@@ -147,7 +147,7 @@ def load_text_data(margs: TextArguments, seed: int):
     columns = next(iter(raw.values())).column_names
     text_col = check_column(columns, margs.text_column, ("text", "sentence", "content"), "--text_column")
     label_col = check_column(columns, margs.label_column, ("labels", "label"), "--label_column")
-    labels = encode_labels(raw, label_col, margs.label_names)
+    labels = encode_labels(raw, label_col, margs.class_names)
     train, evals, held_out = ru.pick_splits(labels.data, margs, seed)
     notes = [n for n in (labels.note, held_out) if n]
     if margs.max_train_samples:
