@@ -84,8 +84,9 @@ def folder_format(folder: Path) -> str | None:
         raise DataError(f"--dataset_name {folder}: no data files in this folder (images, or "
                         f"{', '.join(sorted(FILE_FORMATS))} files)")
     if len(found) > 1:
-        raise DataError(f"--dataset_name {folder}: ambiguous format, the folder holds {dict(sorted(found.items()))} files; keep one "
-                        "format in it, or name the files with --train_file / --validation_file / --test_file")
+        raise DataError(f"--dataset_name {folder}: ambiguous format, the folder holds {dict(sorted(found.items()))} "
+                        "files; keep one format in it, or name the files with --train_file / --validation_file / "
+                        "--test_file")
     return next(iter(found))
 
 
