@@ -1,7 +1,7 @@
 """A user's own data (hf_dp_repr.data.user_data, docs/your-data.md): the page's files are made by its own python block
 and each of its commands runs through the real CLI with a few steps (a CSV with string labels, declared or read off
 the rows, a held-out test split, a parquet folder, JSONL chats with a user column, an imagefolder with a local model,
-`analyze` on it, `synth` on a `category` column); bad input is refused in one typed line before anything is written;
+`analyze` on it, `synth` on a `category` column, `audit --run` rebuilding a CSV run's members); bad input is refused in one typed line before anything is written;
 a Hub name that cannot be reached fails in one quick line."""
 
 import json
@@ -92,6 +92,9 @@ def test_csv_with_string_labels_read_off_the_rows_says_so_and_holds_out_a_test_s
     assert "was read off the training rows and is published" in card
     assert "18 of the 90 training rows (20%, seed 42) held out for evaluation" in card
     assert "data: the label set (3 classes" in caplog.text
+    assert cli(["audit", "--run", "out/csv", "--out", "out/csv-audit"]) == 0  # the same rows rebuilt from the file
+    report = json.loads((workdir / "out" / "csv-audit" / "privacy_audit.json").read_text())
+    assert report["members"] == report["ledger_n"] == 72 and report["non_members"] == 18
 
 
 def test_declared_class_names_keep_their_order_and_the_card_says_nothing_was_read_off(workdir, monkeypatch):
