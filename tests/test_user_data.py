@@ -1,8 +1,8 @@
 """A user's own data (hf_dp_repr.data.user_data, docs/your-data.md): the page's files are made by its own python block
 and each of its commands runs through the real CLI with a few steps (a CSV with string labels, declared or read off
 the rows, a held-out test split, a parquet folder, JSONL chats with a user column, an imagefolder with a local model,
-`analyze` on it, `synth` on a `category` column, `audit --run` rebuilding a CSV run's members); bad input is refused in one typed line before anything is written;
-a Hub name that cannot be reached fails in one quick line."""
+`analyze` on it, `synth` on a `category` column, `audit --run` rebuilding a CSV run's members); bad input is refused
+in one typed line before anything is written; a Hub name that cannot be reached fails in one quick line."""
 
 import json
 import re
@@ -233,3 +233,16 @@ def test_analyze_refuses_an_unreachable_model_before_writing(hub_unreachable, tm
         from hf_dp_repr.data.hub_names import check_model_name
 
         check_model_name("made-up/x")
+
+
+def test_split_files_and_single_files_of_each_format(tmp_path):
+    (tmp_path / "a.txt").write_text("first line\nsecond line\n")
+    assert user_data.load_user_data(str(tmp_path / "a.txt"))["train"]["text"] == ["first line", "second line"]
+    (tmp_path / "t.jsonl").write_text('{"text": "x", "label": "a"}\n{"text": "y", "label": "b"}\n')
+    (tmp_path / "v.jsonl").write_text('{"text": "z", "label": "b"}\n')
+    raw = user_data.load_user_data(train_file=str(tmp_path / "t.jsonl"), validation_file=str(tmp_path / "v.jsonl"))
+    assert {k: len(v) for k, v in raw.items()} == {"train": 2, "validation": 1}
+    with pytest.raises(DataError, match="different formats"):
+        user_data.load_user_data(train_file=str(tmp_path / "t.jsonl"), test_file=str(tmp_path / "a.txt"))
+    with pytest.raises(RecipeArgumentError, match="give --train_file"):
+        user_data.load_user_data(test_file=str(tmp_path / "v.jsonl"))
