@@ -246,3 +246,16 @@ def test_split_files_and_single_files_of_each_format(tmp_path):
         user_data.load_user_data(train_file=str(tmp_path / "t.jsonl"), test_file=str(tmp_path / "a.txt"))
     with pytest.raises(RecipeArgumentError, match="give --train_file"):
         user_data.load_user_data(test_file=str(tmp_path / "v.jsonl"))
+
+
+def test_the_lm_recipe_takes_a_text_file_and_holds_out_its_eval_documents(workdir, tmp_path, monkeypatch):
+    import pandas as pd
+
+    texts = pd.read_csv(workdir / "topics.csv")["text"].tolist()
+    (tmp_path / "docs.txt").write_text("\n".join(texts) + "\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["train", "lm", "--train_file", "docs.txt", "--public_fraction", "0.5", "--public_epochs", "1",
+                "--tokenizer_vocab_size", "300", "--block_size", "32", "--output_dir", "out", "--target_epsilon", "8",
+                "--max_steps", "1", "--per_device_train_batch_size", "8", *COMMON]) == 0
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "docs.txt" in card and "18 of the 90 training rows (20%, seed 42) held out for evaluation" in card
