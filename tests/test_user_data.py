@@ -79,8 +79,8 @@ def ledger(run: Path) -> dict:
 
 
 def test_the_page_has_the_documented_layouts():
-    assert set(page_commands()) == {"out/csv", "out/csv-declared", "out/parquet", "out/chats", "out/images",
-                                    "out/analysis", "out/synth"}
+    assert set(page_commands()) == {"out/csv", "out/csv-declared", "out/parquet", "out/topics-analysis", "out/chats",
+                                    "out/images", "out/analysis", "out/synth"}
 
 
 def test_csv_with_string_labels_read_off_the_rows_says_so_and_holds_out_a_test_split(workdir, monkeypatch, caplog):
@@ -107,6 +107,9 @@ def test_a_parquet_folder_gives_its_train_and_test_splits(workdir, monkeypatch):
     run = run_page_command("out/parquet", workdir, monkeypatch)
     assert ledger(run)["dataset_size"] == 70  # train.parquet, evaluated on test.parquet: nothing held out
     assert "held out" not in (run / "README.md").read_text()
+    report = run_page_command("out/topics-analysis", workdir, monkeypatch)  # the same folder's string labels
+    law = json.loads((report / "representation_law.json").read_text())["models"]["all-MiniLM-L6-v2"]
+    assert law["task"] == "text-classification" and law["num_examples"] == 20
 
 
 def test_jsonl_chats_train_per_user_and_a_user_column_at_row_level_is_warned_about(workdir, monkeypatch, caplog):
