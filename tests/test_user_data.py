@@ -262,3 +262,17 @@ def test_the_lm_recipe_takes_a_text_file_and_holds_out_its_eval_documents(workdi
                 "--max_steps", "1", "--per_device_train_batch_size", "8", *COMMON]) == 0
     card = (tmp_path / "out" / "README.md").read_text()
     assert "docs.txt" in card and "18 of the 90 training rows (20%, seed 42) held out for evaluation" in card
+
+
+def test_the_dpo_recipe_takes_preference_pairs_as_they_are_or_refuses_other_columns(tmp_path):
+    import datasets
+
+    from hf_dp_repr.scripts.dpo import preference_rows
+
+    pairs = datasets.Dataset.from_dict({"prompt": ["p"], "chosen": ["a"], "rejected": ["b"]})
+    assert preference_rows(pairs) is pairs
+    chats = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "q"},
+                                                      {"role": "assistant", "content": "a"}]], "user_id": ["u"]})
+    assert preference_rows(chats).column_names == ["prompt", "chosen", "rejected", "user_id"]
+    with pytest.raises(DataError, match=r"needs preference pairs .* the data has the columns \['text'\]"):
+        preference_rows(datasets.Dataset.from_dict({"text": ["x"]}))
