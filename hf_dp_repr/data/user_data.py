@@ -112,9 +112,9 @@ def load_user_data(dataset_name: str | os.PathLike | None = None, config_name: s
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             data = datasets.load_from_disk(str(path))
             return data if isinstance(data, datasets.DatasetDict) else datasets.DatasetDict(train=data)
-        fmt = folder_format(path)
-        return datasets.load_dataset("imagefolder" if fmt == "imagefolder" else str(path),
-                                     **({"data_dir": str(path)} if fmt == "imagefolder" else {}))
+        if folder_format(path) == "imagefolder":
+            return datasets.load_dataset("imagefolder", data_dir=str(path))
+        return datasets.load_dataset(str(path))  # its splits from the file names, as load_dataset finds them
     return datasets.load_dataset(str(dataset_name), config_name)
 
 
