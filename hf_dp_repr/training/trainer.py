@@ -49,22 +49,22 @@ from ..scope.phases import phase_scopes
 from ..scope.prefix_cache import STATES_KEY
 from . import TRAINER_LOGGER
 from .accuracy_checks import check_views
-from .argument_checks import check_fresh_model, check_one_run
-from .argument_fields import check_refused_fields, train_dataloader_options
 from .arguments import DPTrainingArguments, check_hub_strategy
+from .arguments.checks import check_fresh_model, check_one_run
+from .arguments.fields import check_refused_fields, train_dataloader_options
 from .averaging import DPAveragingMixin, averaging_note
-from .continual import check_public_phase, finish_record, start_continual
+from .cached_features import DPFeatureCacheMixin, FeatureCaches
+from .checkpoints.resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
+from .checkpoints.saving import DPSavingMixin
+from .continual.public_phase import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
 from .eval_overlap import DPEvalOverlapMixin
 from .example_losses import DPExampleLossMixin
-from .features import DPFeatureCacheMixin, FeatureCaches
+from .hp_search.trials import DPSearchMixin
 from .overrides import check_loss_overrides
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
 from .preconditioned_probe import DPPreconditioningMixin, check_preconditioning
-from .report import DPPrivacyReportMixin, announce_plan, announce_spent, follow_log_level
-from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
-from .saving import DPSavingMixin
-from .search import DPSearchMixin
+from .privacy_report import DPPrivacyReportMixin, announce_plan, announce_spent, follow_log_level
 from .sharding import check_trainer, shard_for_training, trainer_init
 
 logger = logging.get_logger(TRAINER_LOGGER)
@@ -131,7 +131,7 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
         follow_log_level(self.args)
         self._check_eval_overlap()
         self._plan: PrivacyPlan | None = None
-        self.features = FeatureCaches()  # features cached from frozen weights (training/features.py)
+        self.features = FeatureCaches()  # features cached from frozen weights (training/cached_features.py)
         self._resume_ledger: PrivacyLedger | None = None
         self._several_rows = frozenset()  # modules with several rows per example (the probe of each train())
         self._shifts_labels = is_causal_lm(self.model)
@@ -322,7 +322,7 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
 
     # ---- run, log, save -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        self._check_training_data()  # not the data a search of this trainer tuned on (search.py)
+        self._check_training_data()  # not the data a search of this trainer tuned on (hp_search)
         self._resume_ledger = None
         self._plan = None
         check_one_run(self.args.world_size)

@@ -9,7 +9,7 @@ Two modes (`tuning_data`, required: the trainer's train_dataset is held private 
 - "public" or "held_out": the trials train on data that is NOT the private training set the final model
   protects (public data, or individuals held out from it). The search spends none of the final run's budget;
   nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row. It is
-  checked by dataset fingerprint (`hf_dp_repr.training.tuning_data`): such a search on the training set of an
+  checked by dataset fingerprint (`hf_dp_repr.training.hp_search.tuning_data`): such a search on the training set of an
   earlier DP run of the process, or a DP run of the same trainer on the data its search tuned on, is refused
   (`TuningDataError`).
 - "private": the trials train on the private data, and the search is accounted with Papernot & Steinke (2022,
@@ -43,8 +43,8 @@ from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute
 from transformers.utils import logging
 
 from ..errors import DPConfigError
+from ..training.hp_search.tuning_data import check_search_data
 from ..training.plan import plan_run
-from ..training.tuning_data import check_search_data
 from .search_report import announce, write_table
 from .selection_privacy import TrialCount, rdp_curve, search_epsilon, single_run_epsilon
 

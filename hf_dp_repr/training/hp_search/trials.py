@@ -1,5 +1,5 @@
 """`DPTrainer.hyperparameter_search`: the Trainer's search under DP (a mixin placed before `Trainer`), run by a
-registered backend (`search_backends`; "optuna" is `hf_dp_repr.tuning.search`), and what the trainer does around
+registered backend (`backends`; "optuna" is `hf_dp_repr.tuning.search`), and what the trainer does around
 a search: the data it tuned on, the best trial's record. (Each trial's model gets its head_init and scope when its
 training starts: `DPTrainer.get_train_dataloader`.)"""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from .search_backends import search_backend
+from .backends import search_backend
 from .tuning_data import check_training_data, check_tuning_data_stated
 
 

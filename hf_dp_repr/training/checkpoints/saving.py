@@ -4,7 +4,7 @@
   A checkpoint is written whole or not at all: the Trainer writes it into a staging folder, its ledger is written
   last (with the run's arguments as JSON before it), every file is flushed to disk and the folder is renamed into
   place (`checkpoint-N` exists only complete); older checkpoints are rotated out only after that.
-- Loading: checkpoints are restored exactly (`hf_dp_repr.training.checkpoint`), or refused; never a silent partial load.
+- Loading: checkpoints are restored exactly (`checkpoints.weights`), or refused; never a silent partial load.
 - Pushing: every push goes through `hf_dp_repr.hub`'s allow-list; never checkpoints or training_args.bin.
 """
 
@@ -17,10 +17,10 @@ import shutil
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy, rotate_checkpoints
 from transformers.utils import PushInProgress, logging
 
-from ..errors import ArgumentTypeError
-from .arguments import check_hub_strategy
-from .checkpoint import load_checkpoint_weights
+from ...errors import ArgumentTypeError
+from ..arguments import check_hub_strategy
 from .output_dir import ARGS_FILE, STAGING_DIR, check_writable, fsync_folder
+from .weights import load_checkpoint_weights
 
 logger = logging.get_logger(__name__)
 
@@ -29,7 +29,7 @@ class DPSavingMixin:
     """Saving, loading and Hub pushes of `DPTrainer` (expects `self.ledger` and the Trainer's attributes)."""
 
     _spent_dir: str | None = None  # where privacy_spent.json is kept up to date (when a resume can need it)
-    sharded = False  # FSDP2: saves and loads are collectives, written by rank 0 (`training.sharded_checkpoint`)
+    sharded = False  # FSDP2: saves and loads are collectives, written by rank 0 (`training.checkpoints.sharded`)
 
     def __init__(self, *args, **kwargs):
         """output_dir is checked writable now, not at the first save after training; the Trainer's `__init__`
@@ -74,7 +74,7 @@ class DPSavingMixin:
 
     def _load_weights(self, checkpoint: str) -> None:
         if self.sharded:
-            from .sharded_checkpoint import load_sharded_weights
+            from .sharded import load_sharded_weights
 
             return load_sharded_weights(self.model, checkpoint)
         load_checkpoint_weights(self.model, checkpoint)
@@ -82,21 +82,21 @@ class DPSavingMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.sharded:  # the Trainer's optimizer.pt of a sharded model would hold rank 0's shards only
             return super()._save_optimizer_and_scheduler(output_dir)
-        from .sharded_checkpoint import save_sharded_optimizer
+        from .sharded import save_sharded_optimizer
 
         save_sharded_optimizer(self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.sharded or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        from .sharded_checkpoint import load_sharded_optimizer
+        from .sharded import load_sharded_optimizer
 
         load_sharded_optimizer(self, checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """As the Trainer's; a sharded model is gathered (every rank must call it) and written by rank 0."""
         if self.sharded:
-            from .sharded_checkpoint import save_sharded_model
+            from .sharded import save_sharded_model
 
             save_sharded_model(self, output_dir or self.args.output_dir)
             if self.args.push_to_hub and not _internal_call:  # as the Trainer's save_model
@@ -104,7 +104,7 @@ class DPSavingMixin:
         else:
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:  # peft records the base model's local path; it must not be pushed
-            from ..hub.public_names import public_adapter_config
+            from ...hub.public_names import public_adapter_config
 
             public_adapter_config(output_dir or self.args.output_dir)
         self._save_privacy_record(output_dir or self.args.output_dir)
@@ -168,7 +168,7 @@ class DPSavingMixin:
         """As the Trainer's, but without the `train_*` metrics (computed on the private data outside DP-SGD) and as
         valid JSON (ε = ∞ as null): these files may be pushed."""
         if self.is_world_process_zero():
-            from ..hub.push import save_public_metrics
+            from ...hub.push import save_public_metrics
 
             os.makedirs(self.args.output_dir, exist_ok=True)  # not made by __init__ (refusals write nothing)
             save_public_metrics(self.args.output_dir, split, metrics, combined)
@@ -177,7 +177,7 @@ class DPSavingMixin:
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Check login and write access first (`hf_dp_repr.hub.check_hub_access`), then create the repository."""
         if self.is_world_process_zero():
-            from ..hub.push import check_hub_access
+            from ...hub.push import check_hub_access
 
             check_hub_access(self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir)), token)
         super().init_hf_repo(token=token, private=private)
@@ -189,8 +189,8 @@ class DPSavingMixin:
         `hub_model_id=` names the repository (default: args.hub_model_id, else output_dir's name); the Trainer's card
         keywords (license, tags, language, model_name, finetuned_from, dataset) go into the DP card; others are
         refused (`ModelCardInfo.with_trainer_card_args`)."""
-        from ..hub.card import ModelCardInfo
-        from ..hub.push import push_dp_model
+        from ...hub.card import ModelCardInfo
+        from ...hub.push import push_dp_model
 
         repo_id = kwargs.pop("hub_model_id", None) or self.hub_model_id or self.args.hub_model_id
         if kwargs:  # the Trainer's card keywords (license, tags, ...) go into the DP card; the others are refused
@@ -206,7 +206,7 @@ class DPSavingMixin:
         Trainer's card keywords (license, tags, language, ...) go into it (`ModelCardInfo.with_trainer_card_args`)."""
         if self.ledger is None:
             return super().create_model_card(*args, **kwargs)
-        from ..hub.card import ModelCardInfo, write_model_card
+        from ...hub.card import ModelCardInfo, write_model_card
 
         if args:
             raise ArgumentTypeError("DPTrainer.create_model_card: pass its arguments by name (license=..., tags=...).")
@@ -226,7 +226,7 @@ class DPSavingMixin:
             if not self.args.hub_always_push:
                 return
             self.push_in_progress.wait_until_done()  # it may still read the files about to be overwritten below
-        from ..hub.push import files_to_push, upload_run
+        from ...hub.push import files_to_push, upload_run
 
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         out = self.args.output_dir
@@ -246,11 +246,11 @@ class DPSavingMixin:
         (`save_model` saves the adapters alone), plus the privacy ledger and model card. The merge happens on a
         copy (`lora.merged_copy`), cleared of the DP bookkeeping on its parameters; a model without adapters is saved
         as it is."""
-        from ..privacy.attributes import clear_dp_attributes
-        from ..scope.lora import is_peft_model, merged_copy
+        from ...privacy.attributes import clear_dp_attributes
+        from ...scope.lora import is_peft_model, merged_copy
 
         if self.sharded:
-            from ..errors import UnsupportedError
+            from ...errors import UnsupportedError
 
             raise UnsupportedError("DPTrainer.save_merged_model: not for a sharded (fsdp) run; save_model() saves the "
                                    "adapters, which peft merges later (PeftModel.from_pretrained(base, folder)"
@@ -276,11 +276,11 @@ class DPSavingMixin:
             return
         if not self._staging_checkpoint:
             self.ledger.save(output_dir)
-        from ..hub.card import write_model_card
+        from ...hub.card import write_model_card
 
         write_model_card(self, output_dir)
         if getattr(self, "continual_record", None) is not None:  # public → private: the switch and tr(H) record
-            from .continual import save_record
+            from ..continual.public_phase import save_record
 
             save_record(self.continual_record, output_dir)
 
