@@ -43,6 +43,7 @@ from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute
 from transformers.utils import logging
 
 from ..errors import DPConfigError
+from ..training.hp_search.trials import end_search, trial_record
 from ..training.hp_search.tuning_data import check_search_data
 from ..training.plan import plan_run
 from .search_report import announce, write_table
@@ -250,7 +251,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
             trainer.objective = trainer.compute_objective(trainer.evaluate())
         if best["value"] is None or sign * trainer.objective > sign * best["value"]:
             best["value"] = trainer.objective
-            best["record"] = trainer._trial_record() if keep_best_model else None
+            best["record"] = trial_record(trainer) if keep_best_model else None
         return trainer.objective
 
     study = optuna.create_study(direction=direction, **study_kwargs)
@@ -258,7 +259,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
         if n_trials:
             study.optimize(objective, n_trials=n_trials)
     except BaseException:
-        trainer._end_search(before, None, (data_key, tuning_data))
+        end_search(trainer, before, None, (data_key, tuning_data))
         raise
     finally:
         args.__dict__.update(copy.deepcopy(search.baseline).__dict__)
@@ -267,7 +268,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
     best_trial = study.best_trial if done else None
     write_table(args.output_dir, search, study, best_trial, total)
     announce(search, total, best_trial, args.target_epsilon)
-    trainer._end_search(before, best["record"] if best_trial is not None else None, (data_key, tuning_data))
+    end_search(trainer, before, best["record"] if best_trial is not None else None, (data_key, tuning_data))
     if best_trial is None:
         logger.warning("hyperparameter_search: no trial completed (K = 0 was drawn, or every trial failed); "
                        "nothing is released.")
