@@ -1,4 +1,5 @@
-"""Evaluation sets that share rows with the training set (a mixin of `DPTrainer`, placed before `Trainer`).
+"""Evaluation sets that share rows with the training set (`check_eval_overlap`, `metric_prefix`: used by
+`DPTrainer` at init, train, evaluate and predict).
 
 Metrics of an evaluation set taken from the training data (their losses, predictions, accuracy) are statistics of
 the private data computed outside DP-SGD: the DP guarantee covers the weights, not them. `DPTrainer` checks each

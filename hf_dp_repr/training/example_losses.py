@@ -21,6 +21,8 @@ from ..scope.prefix_cache import run_from_states, set_frozen_prefix_modes
 
 
 class DPExampleLossMixin:
+    """`DPTrainer`'s own per-example hooks (no `Trainer` member among them): what a subclass overrides."""
+
     batch_has_labels = True  # False: `example_losses` reads other keys (the probe and input checks then skip labels)
 
     def examples_in_batch(self, inputs: dict) -> int:

@@ -7,7 +7,9 @@ What changes against the plain Trainer, and nothing else:
 - loss: the sum of per-example losses (`privacy.loss`), overridable through `per_example_loss`;
 - accounting: `epsilon` in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`;
 - what trains: each phase's scope (`scope.phases`), on features cached from frozen weights (`trainer.features`).
-The private `Trainer` members it overrides or relies on are listed in `training.hf_compat`.
+The private `Trainer` members it overrides or relies on are listed in `training.hf_compat`. Each `Trainer` member
+it overrides is defined once: here (building the run and training it) or in its base class,
+`trainer_outputs.DPTrainerOutputs` (what leaves or re-enters a run: logs, evaluation, saves, loads, pushes, search).
 
 Example (runs in seconds on a CPU):
     >>> from hf_dp_repr import DPTrainer, DPTrainingArguments
