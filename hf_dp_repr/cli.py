@@ -250,8 +250,9 @@ def add_synth_parser(subparsers) -> None:
 def run_synth(args: argparse.Namespace) -> int:
     import importlib
 
-    importlib.import_module("hf_dp_repr.scripts.synth").main(args.recipe_args)  # by name, as `train` (same rank)
-    return 0
+    run_command = importlib.import_module("hf_dp_repr.scripts.arguments").run_command  # a typed error: one line
+    return run_command(importlib.import_module("hf_dp_repr.scripts.synth").main, "hf-dp-repr synth",
+                       args.recipe_args)  # by name, as `train` (same rank)
 
 
 # name: (its line in `hf-dp-repr --help`, "module:function" that adds its parser; imported only when it runs)
