@@ -15,7 +15,7 @@ row of the table is a recipe run with nothing but the model, the data, ε and th
 the reference is the same probe non-private (`--noise_multiplier 0 --clipping none`), plain SGD at the DP runs'
 learning rate and at 4× it, the better of the two. Runs share one process, so the
 frozen backbone's features are computed once. `snr` is the expected signal-to-noise of an update the run's plan
-gives (`hf_dp_repr.training.report.update_snr`: C over the noise norm of the averaged update).
+gives (`hf_dp_repr.training.privacy_report.update_snr`: C over the noise norm of the averaged update).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 from hf_dp_repr import DPTrainingArguments
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.scripts import image_classification as image_recipe
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import recipe_report
 from hf_dp_repr.training.plan import plan_run
 
 
@@ -100,7 +100,7 @@ def test_a_hopeless_update_snr_is_warned_before_training_naming_the_fixes(caplog
     import logging
 
     from hf_dp_repr.privacy.ledger import Phase
-    from hf_dp_repr.training.report import LOW_UPDATE_SNR, warn_if_noise_drowns_updates
+    from hf_dp_repr.training.privacy_report import LOW_UPDATE_SNR, warn_if_noise_drowns_updates
 
     with caplog.at_level(logging.WARNING):
         warn_if_noise_drowns_updates(Phase("train", 0.6345, 8 / 228, 86, 8), 22_713_606)  # the run
