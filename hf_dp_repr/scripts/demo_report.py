@@ -128,6 +128,7 @@ def table_of(rows: dict, titles: dict) -> str:
 def plot_layers(rows: dict, path: Path) -> Path:
     """D_l (log scale) and CKA with the public model against layer, one line per row."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(11.0, 4.2), layout="constrained")
     left, right = fig.subplots(1, 2)
@@ -142,6 +143,7 @@ def plot_layers(rows: dict, path: Path) -> Path:
     left.set_ylabel("separation fuzziness D$_l$ (lower: classes more separated)")
     right.set_ylabel("linear CKA with the public model's features")
     for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer (0 = embedding output)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
