@@ -410,3 +410,43 @@ def test_public_classes_and_shift_make_another_task_and_validation_is_carved_fro
     assert f"{len(private) - held_out} examples of the 'train' split" in card
     mirrored = shift_images(public.select(range(2)).with_format("torch"), "mirror")[:]["pixel_values"]
     assert torch.equal(mirrored, public.with_format("torch")[:2]["pixel_values"].flip(-1))
+
+
+@pytest.mark.slow
+def test_causal_lm_compares_public_dp_and_non_private_reference_layer_by_layer(tmp_path, capsys):
+    """--compare_representations: PR_l at every layer of the public model, the DP model and the non-private reference
+    (another run with noise_multiplier 0), in a subfolder (never pushed); the DP model's row differs from the public
+    one (it trained)."""
+    from hf_dp_repr.scripts import repr_compare
+
+    short = ["--max_steps", "3", "--public_epochs", "1", "--per_device_train_batch_size", "16",
+             "--tokenizer_vocab_size", "300", "--max_eval_blocks", "48", "--report_to", "none", "--disable_tqdm",
+             "true", "--target_delta", "1e-5", "--noise_seed", "0"]
+    lm_recipe.main(["--output_dir", str(tmp_path / "ref"), "--noise_multiplier", "0", *short])
+    lm_recipe.main(["--output_dir", str(tmp_path / "dp"), "--target_epsilon", "8", "--compare_representations", "true",
+                    "--reference_model_dir", str(tmp_path / "ref"),
+                    "--public_model_dir", str(tmp_path / "ref" / "public_pretrained"), *short])
+    folder = tmp_path / "dp" / repr_compare.FOLDER
+    saved = json.loads((folder / "comparison.json").read_text())
+    public, dp, ref = saved.values()
+    assert list(saved)[2] == "non-private reference" and list(saved)[1].startswith("DP (ε = ")
+    assert len(public["residual"]) == len(dp["residual"]) == len(ref["residual"]) == 3  # embeddings + 2 blocks
+    assert dp["residual"] != public["residual"] and ref["residual"] != public["residual"]
+    assert (folder / "layers.png").read_bytes().startswith(b"\x89PNG")
+    assert "| non-private reference |" in capsys.readouterr().out and "ρ PR_l" in (folder / "table.md").read_text()
+
+
+def test_comparison_arguments_are_refused_before_any_work(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_dp_repr.errors import RecipeArgumentError
+    from hf_dp_repr.scripts import repr_compare
+
+    with pytest.raises(RecipeArgumentError, match="--compare_representations true"):
+        repr_compare.check_arguments(SimpleNamespace(reference_model_dir=str(tmp_path), compare_representations=False))
+    with pytest.raises(RecipeArgumentError, match="no such folder"):
+        repr_compare.check_arguments(SimpleNamespace(reference_model_dir=str(tmp_path / "x"),
+                                                     compare_representations=True))
+    assert repr_compare.reference_label(str(tmp_path)) == "reference (no ledger)"
+    (tmp_path / "privacy_ledger.json").write_text(json.dumps({"epsilon": None}))
+    assert repr_compare.reference_label(str(tmp_path)) == "non-private reference"
