@@ -449,6 +449,9 @@ def test_comparison_arguments_are_refused_before_any_work(tmp_path):
     with pytest.raises(RecipeArgumentError, match="no such folder"):
         repr_compare.check_arguments(SimpleNamespace(reference_model_dir=str(tmp_path / "x"),
                                                      compare_representations=True))
+    with pytest.raises(RecipeArgumentError, match="--fsdp"):
+        repr_compare.check_arguments(SimpleNamespace(reference_model_dir=None, compare_representations=True),
+                                     SimpleNamespace(fsdp="full_shard"))
     assert repr_compare.reference_label(str(tmp_path)) == "reference (no ledger)"
     (tmp_path / "privacy_ledger.json").write_text(json.dumps({"epsilon": None}))
     assert repr_compare.reference_label(str(tmp_path)) == "non-private reference"

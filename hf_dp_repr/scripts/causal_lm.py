@@ -88,7 +88,7 @@ ARGUMENT_TYPES = (LMArguments, DPTrainingArguments)
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (perplexity, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
-    repr_compare.check_arguments(margs)
+    repr_compare.check_arguments(margs, targs)
     by_document = document_level(targs, margs.given_options)
     name = margs.model_name_or_path
     public_fraction = margs.resolved_public_fraction(ru.is_tiny(name))

@@ -41,8 +41,12 @@ class ComparisonArguments:
         "help": "Compare on at most this many eval rows (blocks or conversations)."})
 
 
-def check_arguments(margs: Any) -> None:
-    """Before any work: a reference needs the comparison, and must be a folder."""
+def check_arguments(margs: Any, targs: Any = None) -> None:
+    """Before any work: a reference needs the comparison, and must be a folder; no comparison of a sharded model
+    (it runs on the main process alone, and a sharded forward needs every process)."""
+    if margs.compare_representations and getattr(targs, "fsdp", None):
+        raise RecipeArgumentError("--compare_representations with --fsdp: the comparison runs on the main process "
+                                  "alone; compare the saved models with `hf-dp-repr analyze` instead.")
     ref = margs.reference_model_dir
     if ref and not margs.compare_representations:
         raise RecipeArgumentError("--reference_model_dir is only read by --compare_representations; set "

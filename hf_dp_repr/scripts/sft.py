@@ -90,7 +90,7 @@ def lora_config(margs):
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (eval loss, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
-    repr_compare.check_arguments(margs)
+    repr_compare.check_arguments(margs, targs)
     if margs.compare_representations and not margs.use_lora:
         raise RecipeArgumentError("--compare_representations needs --use_lora true: without adapters the recipe keeps "
                                   "no copy of the base weights to compare with (compare with `hf-dp-repr analyze`).")
