@@ -19,6 +19,7 @@ import os
 import sys
 
 from ...errors import DPConfigError, ProcessGroupError, UnsupportedError
+from ...privacy.adaptive_clipping import AdaptiveClipping
 
 logger = logging.getLogger(__name__)
 # How many processes a launcher started: torchrun and `accelerate launch` (WORLD_SIZE), MPI launchers (the variables
@@ -69,6 +70,17 @@ def check_privacy_target(args) -> None:
             AttackTarget.parse(args.target_attack_tpr_at_fpr)
         except DPConfigError as err:
             raise DPConfigError(f"DPTrainingArguments: {err}") from None
+
+
+def check_adaptive_clipping(args) -> None:
+    """adaptive_clipping: parsed (written back in its canonical form), with flat clipping only."""
+    if args.adaptive_clipping is None:
+        return
+    spec = AdaptiveClipping.parse(args.adaptive_clipping)
+    if args.clipping != "flat":
+        raise DPConfigError(f"DPTrainingArguments: adaptive_clipping follows a quantile of each example's whole "
+                            f"gradient norm; clipping={args.clipping!r} does not clip to it: use clipping='flat'.")
+    args.adaptive_clipping = str(spec)
 
 
 def check_privacy_unit(args) -> None:
