@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_path
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.metrics import accuracy_metrics
 from hf_dp_repr.scripts import checks
 from hf_dp_repr.scripts import report as recipe_report
 from hf_dp_repr.scripts import utils as ru
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals,
                         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
-                        compute_metrics=ru.accuracy_metrics(),
+                        compute_metrics=accuracy_metrics(),
                         model_card_info=card_info)
     result = ru.train(trainer, margs.overwrite_output_dir)
     split = ru.split_record("text", source, 0.0, targs.seed, len(train), len(evals))  # no public part of the data
