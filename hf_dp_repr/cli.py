@@ -197,12 +197,15 @@ def add_train_parser(subparsers) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    return _run_recipe(TRAIN_SCRIPTS[args.task], f"hf-dp-repr train {args.task}", args.recipe_args)
+
+
+def _run_recipe(name: str, prog: str, argv: list[str]) -> int:
+    """The recipes' one runner (scripts.runner; by name: scripts is cli's peer stage): an argument error is one
+    line, exit code 2; `--help` answers at once, DP arguments first."""
     import importlib
 
-    # (by name, as the recipes: scripts is cli's peer stage) an argument error: one line, exit code 2
-    run_command = importlib.import_module("hf_dp_repr.scripts.arguments").run_command
-    recipe = importlib.import_module(f"hf_dp_repr.scripts.{TRAIN_SCRIPTS[args.task]}").main
-    return run_command(recipe, f"hf-dp-repr train {args.task}", args.recipe_args)
+    return importlib.import_module("hf_dp_repr.scripts.runner").run_recipe(name, prog, argv)
 
 
 def add_audit_parser(subparsers) -> None:
@@ -248,10 +251,7 @@ def add_synth_parser(subparsers) -> None:
 
 
 def run_synth(args: argparse.Namespace) -> int:
-    import importlib
-
-    importlib.import_module("hf_dp_repr.scripts.synth").main(args.recipe_args)  # by name, as `train` (same rank)
-    return 0
+    return _run_recipe("synth", "hf-dp-repr synth", args.recipe_args)
 
 
 # name: (its line in `hf-dp-repr --help`, "module:function" that adds its parser; imported only when it runs)

@@ -39,7 +39,11 @@ def _probe(*argv):
     ["privacy", "--sample-rate", "2", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5"],
     ["push", "--help"],
     ["train", "--help"],
-], ids=["help", "typo", "privacy-epsilon", "privacy-calibrate", "privacy-bad-value", "push-help", "train-help"])
+    ["train", "image", "--help"],  # the recipe's saved usage: it answers at once
+    ["train", "sft", "--help"],
+    ["synth", "--help"],
+], ids=["help", "typo", "privacy-epsilon", "privacy-calibrate", "privacy-bad-value", "push-help", "train-help",
+        "train-image-help", "train-sft-help", "synth-help"])
 def test_help_typos_and_privacy_import_neither_torch_nor_transformers(argv):
     seen, stderr = _probe(*argv)
     assert seen["heavy"] == [], (argv, seen, stderr[-2000:])

@@ -22,6 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
+from hf_dp_repr.entry_point import CommandParser
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/ (configs)
 
 RUNS = {  # name → the only arguments that differ between the three runs
@@ -33,7 +35,7 @@ GAIN_POINTS = 3.0  # DP ε = 1 should beat the public-only model by at least thi
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="demo_out")
     parser.add_argument("--config", default=str(RECIPES / "configs" / "demo_digits.yaml"))
     parser.add_argument("--threads", type=int, default=1,
@@ -159,4 +161,6 @@ def _table(rows: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from .runner import run_recipe
+
+    raise SystemExit(run_recipe("demo"))  # as recipes/*.py

@@ -275,6 +275,6 @@ def _load_model(name, num_labels, id2label, train, image_col, seed):
 
 
 if __name__ == "__main__":
-    from .arguments import run_command
+    from .runner import run_recipe
 
-    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2
+    raise SystemExit(run_recipe("image_classification"))  # as recipes/*.py

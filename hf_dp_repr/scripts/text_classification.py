@@ -156,6 +156,6 @@ def load_text_data(margs: TextArguments):
 
 
 if __name__ == "__main__":
-    from .arguments import run_command
+    from .runner import run_recipe
 
-    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2
+    raise SystemExit(run_recipe("text_classification"))  # as recipes/*.py
