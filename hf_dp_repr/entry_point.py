@@ -16,7 +16,7 @@ so the Python quick start, pasted as is, is fast; when torch was loaded first wi
 warns once, on a loaded machine, naming the fix (`warn_if_openmp_spins`, called as the DP optimizer is made).
 
 The commands' argument errors are one line naming the argument and the closest valid one, exit code 2, as
-argparse's (`CommandParser`; a recipe's typed argument errors: `scripts.arguments.run_command`).
+argparse's (`CommandParser`; a recipe's typed argument errors: `scripts.runner.run_recipe`).
 
 A library user's own script can call it first too:
 
