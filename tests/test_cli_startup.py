@@ -49,6 +49,14 @@ def test_help_typos_and_privacy_import_neither_torch_nor_transformers(argv):
     assert seen["heavy"] == [], (argv, seen, stderr[-2000:])
 
 
+def test_info_reads_the_ledger_without_torch(tmp_path):
+    import shutil
+
+    shutil.copy(ROOT / "tests" / "golden" / "privacy_unit.privacy_ledger.json", tmp_path / "privacy_ledger.json")
+    seen, stderr = _probe("info", str(tmp_path))
+    assert seen == {"code": 0, "heavy": []}, stderr[-2000:]
+
+
 def test_a_mistyped_command_is_one_line_naming_the_closest(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["traine"])
