@@ -14,6 +14,7 @@ import re
 import runpy
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def short(*options: str, after: tuple[str, ...] = ()) -> How:
 
 
 TINY_IMAGE = ("--max_steps", "2", "--public_epochs", "0.2", "--max_eval_samples", "32")
-TINY_TRL = ("--max_steps", "2", "--max_conversations", "40", "--sample_max_new_tokens", "2")
+TINY_TRL = ("--max_steps", "2", "--sample_max_new_tokens", "2")
 FSDP = "FSDP2 needs 2 processes: tests/test_trl_dpo.py and tests/trl_sft_worker.py launch the same recipes sharded"
 # a piece of the command's text (unique among all commands) -> how it runs
 HOW = {
@@ -69,11 +70,13 @@ HOW = {
     "push out/hub-demo --hub_model_id someone/dp-run": short(),
     # docs/recipes.md
     "cpu_2proc.yaml recipes/dp_image_classification.py": short(*TINY_IMAGE),
+    "hf-dp-repr info out/digits": short(),
     "multi_gpu.yaml": skip("GPUs, and CIFAR-10 and a ViT-base from the Hub"),
-    "python recipes/dp_causal_lm.py --output_dir out/lm": short("--max_steps", "2", "--max_eval_blocks", "8",
-                                                                  "--analysis_max_examples", "8"),
+    "python recipes/dp_causal_lm.py --output_dir out/lm": short(
+        "--max_steps", "2", "--public_epochs", "0.1", "--max_eval_blocks", "8", "--analysis_max_examples", "8",
+        "--sample_max_new_tokens", "2"),
     "minilm_stdlib_topics_eps8.yaml": short("--max_steps", "2", "--max_train_samples", "64", "--max_eval_samples",
-                                            "32"),
+                                            "32", "--per_device_train_batch_size", "16"),
     "analyze --model out/digits --model out/digits/public_pretrained": short("--max-examples", "200"),
     "analyze --model sentence-transformers/all-MiniLM-L6-v2": skip(
         "two MiniLM passes over 1,147 paragraphs (PR_l needs more rows than its 384 dims): minutes on a loaded CPU; "
@@ -195,6 +198,8 @@ def test_the_pages_commands_run(page, tmp_path, monkeypatch, request, one_thread
     for command in commands(page.read_text()):
         if how(command).skip is None and command not in done:  # a command repeated on a page runs once
             done.add(command)
+            start = time.perf_counter()
             run(command, monkeypatch)
+            print(f"DOC COMMAND {time.perf_counter() - start:6.1f} s  {page.name}: {command}")  # pytest -s: timings
     assert done
     os.chdir(ROOT)
