@@ -23,7 +23,7 @@ def test_the_root_exports_the_api_only():
 
 def test_importing_the_root_still_sets_up_the_process():
     code = ("import os, sys, warnings; import hf_dp_repr; "
-            "from hf_dp_repr.training.search_backends import SEARCH_BACKENDS; "
+            "from hf_dp_repr.training.hp_search.backends import SEARCH_BACKENDS; "
             "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE', 'openmp'; "
             "assert 'optuna' in SEARCH_BACKENDS, 'optuna backend'; "
             "assert any('no inputs require gradients' in str(f[1].pattern if f[1] else '') "

@@ -206,7 +206,7 @@ def test_class_names_come_from_the_declaration_and_labels_must_fit_it():
 
 # ---- what a run shows ----------------------------------------------------------------------------------------------
 def test_recipes_log_epsilon_about_twenty_times_unless_told(tmp_path):
-    from hf_dp_repr.scripts import report as recipe_report
+    from hf_dp_repr.scripts import recipe_report
 
     args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1, report_to="none")
     recipe_report.default_logging(args, planned_steps=264, given=set())
@@ -248,7 +248,7 @@ def test_only_the_main_process_logs():
 
 def test_result_table_states_metrics_and_privacy():
     from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
-    from hf_dp_repr.scripts import report as recipe_report
+    from hf_dp_repr.scripts import recipe_report
 
     ledger = PrivacyLedger(PrivacyPlan(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0,
                                        clipping="flat", dataset_size=1006, poisson_sampling=True,
@@ -287,7 +287,7 @@ def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
 def test_public_pretraining_prints_progress_lines():
     from types import SimpleNamespace
 
-    from hf_dp_repr.scripts import report as recipe_report
+    from hf_dp_repr.scripts import recipe_report
 
     lines = []
     cb = recipe_report.ProgressLines("public pre-training", epochs=40, log=lines.append)

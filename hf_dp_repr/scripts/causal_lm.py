@@ -49,8 +49,7 @@ from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.data.tokenizer import train_tokenizer
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
-from hf_dp_repr.scripts import checks
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import AnalysisArguments, PublicPretrainingArguments, ScriptArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments, check_privacy_unit

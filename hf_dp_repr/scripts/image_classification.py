@@ -51,8 +51,7 @@ from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.metrics import accuracy_metrics
 from hf_dp_repr.scope.preconditioning import parse_preconditioning
-from hf_dp_repr.scripts import checks
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import AnalysisArguments, ClassificationArguments, PublicPretrainingArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments

@@ -41,8 +41,7 @@ from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.metrics import accuracy_metrics
-from hf_dp_repr.scripts import checks
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import ClassificationArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments

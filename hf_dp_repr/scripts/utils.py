@@ -22,9 +22,9 @@ from transformers import Trainer, TrainingArguments
 from hf_dp_repr import tiny
 from hf_dp_repr.entry_point import one_thread_for_tiny_model
 from hf_dp_repr.errors import AuditDataError, RecipeArgumentError
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import recipe_report
 from hf_dp_repr.scripts.arguments import given_options, parse_args
-from hf_dp_repr.training.output_dir import check_writable
+from hf_dp_repr.training.checkpoints.output_dir import check_writable
 
 logger = logging.getLogger("hf_dp_repr.recipes")
 HERE = Path(__file__).resolve().parent
@@ -201,7 +201,7 @@ def resume_point(training_args, overwrite: bool) -> str | None:
     --resume_from_checkpoint if given; else, in an --output_dir that holds checkpoints, the last complete one, unless
     --overwrite_output_dir; refused if none is complete."""
     from hf_dp_repr.scripts.checks import RecipeArgumentError
-    from hf_dp_repr.training.output_dir import checkpoints, last_complete_checkpoint
+    from hf_dp_repr.training.checkpoints.output_dir import checkpoints, last_complete_checkpoint
 
     out = training_args.output_dir
     if training_args.resume_from_checkpoint or overwrite or not checkpoints(out):
@@ -219,8 +219,8 @@ def resume_point(training_args, overwrite: bool) -> str | None:
 def train(trainer, overwrite: bool = False):
     """`trainer.train()`, resuming from the checkpoint `start_run` chose; with --overwrite_output_dir the earlier
     run's checkpoints (and its record of privacy spent) are deleted first, now that every check has passed."""
-    from hf_dp_repr.training.output_dir import STAGING_DIR, checkpoints
-    from hf_dp_repr.training.resume import SPENT_FILE
+    from hf_dp_repr.training.checkpoints.output_dir import STAGING_DIR, checkpoints
+    from hf_dp_repr.training.checkpoints.resume import SPENT_FILE
 
     out = trainer.args.output_dir
     if overwrite and trainer.args.should_save:

@@ -26,7 +26,7 @@ and written to DIR/representation_law.json (+ a plot).
 Example (in Python; on the command line the same arguments follow `hf-dp-repr analyze`):
     >>> import argparse, tempfile
     >>> from hf_dp_repr.tiny import tiny_vit
-    >>> from hf_dp_repr.analysis.cli import add_analyze_parser, run_analyze
+    >>> from hf_dp_repr.analysis.analyze_cli import add_analyze_parser, run_analyze
     >>> path = tempfile.mkdtemp(); tiny_vit().save_pretrained(path)
     >>> parser = argparse.ArgumentParser(); _ = add_analyze_parser(parser.add_subparsers())
     >>> args = parser.parse_args(["analyze", "--model", path, "--dataset", "digits", "--out", path + "/law"])
