@@ -50,7 +50,7 @@ import math
 import sys
 
 from .entry_point import CommandParser, prepare_entry_point
-from .training.arguments.checks import target_epsilon_problem
+from .privacy.accounting import target_epsilon_problem  # light: `hf-dp-repr privacy` loads no torch
 
 
 def _target_epsilon(text: str) -> float:
