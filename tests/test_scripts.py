@@ -73,12 +73,14 @@ def test_config_file_then_command_line_and_the_given_options(tmp_path):
 def test_dataset_helpers_name_the_flag_to_set():
     import datasets
 
+    from hf_dp_repr.data.user_data import check_column
+
     raw = datasets.DatasetDict(train=datasets.Dataset.from_dict({"x": [1, 2, 3, 4]}))
-    with pytest.raises(ValueError, match=r"no split 'test' \(it has \['train'\]\); set --train_split / --eval_split"):
-        utils.pick_splits(raw, "d", "train", "test")
-    assert utils.first_column(["img", "label"], ("image", "img"), "--image_column") == "img"
+    with pytest.raises(ValueError, match=r"no split 'valid' \(it has \['train'\]\); set --train_split"):
+        utils.pick_splits(raw, arguments.ScriptArguments(train_split="valid"), seed=0)
+    assert check_column(["img", "label"], None, ("image", "img"), "--image_column") == "img"
     with pytest.raises(ValueError, match="--text_column"):
-        utils.first_column(["a"], ("text",), "--text_column")
+        check_column(["a"], None, ("text",), "--text_column")
     public, private = utils.split_public_private(raw["train"], 0.5, seed=0)
     assert len(public) == 2 and sorted(list(public["x"]) + list(private["x"])) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="public_fraction"):
