@@ -20,6 +20,7 @@ import sys
 
 from ...errors import DPConfigError, ProcessGroupError, UnsupportedError
 from ...privacy.accounting import target_epsilon_problem
+from ...privacy.adaptive_clipping import AdaptiveClipping
 
 logger = logging.getLogger(__name__)
 # How many processes a launcher started: torchrun and `accelerate launch` (WORLD_SIZE), MPI launchers (the variables
@@ -56,6 +57,17 @@ def check_privacy_target(args) -> None:
             AttackTarget.parse(args.target_attack_tpr_at_fpr)
         except DPConfigError as err:
             raise DPConfigError(f"DPTrainingArguments: {err}") from None
+
+
+def check_adaptive_clipping(args) -> None:
+    """adaptive_clipping: parsed (written back in its canonical form), with flat clipping only."""
+    if args.adaptive_clipping is None:
+        return
+    spec = AdaptiveClipping.parse(args.adaptive_clipping)
+    if args.clipping != "flat":
+        raise DPConfigError(f"DPTrainingArguments: adaptive_clipping follows a quantile of each example's whole "
+                            f"gradient norm; clipping={args.clipping!r} does not clip to it: use clipping='flat'.")
+    args.adaptive_clipping = str(spec)
 
 
 def check_privacy_unit(args) -> None:
