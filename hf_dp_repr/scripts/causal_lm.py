@@ -282,6 +282,6 @@ def _load_model(name, tokenizer, block_size, seed):
 
 
 if __name__ == "__main__":
-    from .arguments import run_command
+    from .runner import run_recipe
 
-    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2
+    raise SystemExit(run_recipe("causal_lm"))  # as recipes/*.py

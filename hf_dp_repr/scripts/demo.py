@@ -24,6 +24,8 @@ import json
 import time
 from pathlib import Path
 
+from hf_dp_repr.entry_point import CommandParser
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/ (configs)
 
 LP_FT = ["--lp_steps", "0.5", "--lp_learning_rate", "0.02"]  # half the steps train the head alone, at the probe's rate
@@ -49,7 +51,7 @@ ROW_TITLES = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="demo_out")
     parser.add_argument("--config", default=str(RECIPES / "configs" / "demo_digits.yaml"))
     parser.add_argument("--rows", nargs="+", default=list(RUNS), choices=list(RUNS),
@@ -139,4 +141,6 @@ def _add_feature_distances(out: Path, rows: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from .runner import run_recipe
+
+    raise SystemExit(run_recipe("demo"))  # as recipes/*.py
