@@ -39,12 +39,12 @@ import numpy as np
 from transformers.utils import logging
 
 from ..errors import DPConfigError
+from ..hub.public_names import PRIVATE_PREFIX  # `train_*` metrics: kept out of files, cards and pushes
 from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
 MAX_HASHED_ROWS = 50_000
 PRIVATE_SHARE = 0.1  # of the checked eval rows equal to training rows: the set was drawn from the training data
-PRIVATE_PREFIX = "train_"  # hf_dp_repr.hub keeps `train_*` metrics out of files, cards and pushes
 
 
 class Overlap(NamedTuple):
@@ -130,7 +130,10 @@ def shared_rows(train, evaluation) -> Overlap | None:
 
 class DPEvalOverlapMixin:
     """`evaluate` / `predict` name the metrics of a set drawn from the training data `train_*` (kept out of
-    pushes); `_check_eval_overlap` warns and refuses model selection by them."""
+    pushes; a subclass's own eval metrics too, renamed by `report.DPPublishedLogs`); `_check_eval_overlap` warns
+    and refuses model selection by them."""
+
+    _private_eval_prefixes: tuple[str, ...] = ()
 
     def _overlap(self, dataset) -> Overlap | None:
         cache = self.__dict__.setdefault("_overlap_cache", {})
@@ -174,9 +177,17 @@ class DPEvalOverlapMixin:
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        private = ()
         if not isinstance(dataset, dict):  # a dict: the Trainer evaluates each entry through this method again
-            metric_key_prefix = self._metric_prefix(dataset, metric_key_prefix)
-        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            prefix = self._metric_prefix(dataset, metric_key_prefix)
+            if prefix != metric_key_prefix:  # also a subclass's own metrics (TRL's eval_*): `DPPublishedLogs`
+                private = (f"{metric_key_prefix}_", "eval_")
+            metric_key_prefix = prefix
+        saved, self._private_eval_prefixes = self._private_eval_prefixes, private
+        try:
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        finally:
+            self._private_eval_prefixes = saved
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         return super().predict(test_dataset, ignore_keys=ignore_keys,

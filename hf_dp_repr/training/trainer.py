@@ -29,7 +29,6 @@ from __future__ import annotations
 import datasets
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer
 from transformers.utils import logging
 
 from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, UnsupportedError
@@ -61,7 +60,7 @@ from .features import DPFeatureCacheMixin, FeatureCaches
 from .overrides import check_loss_overrides
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
 from .preconditioned_probe import DPPreconditioningMixin, check_preconditioning
-from .report import DPPrivacyReportMixin, announce_plan, announce_spent, follow_log_level
+from .report import DPPrivacyReportMixin, DPPublishedLogs, announce_plan, announce_spent, follow_log_level
 from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
 from .saving import DPSavingMixin
 from .search import DPSearchMixin
@@ -70,7 +69,7 @@ from .sharding import check_trainer, shard_for_training, trainer_init
 logger = logging.get_logger(TRAINER_LOGGER)
 
 class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatureCacheMixin,
-                DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin, Trainer):
+                DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin, DPPublishedLogs):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
