@@ -15,7 +15,7 @@ from transformers.utils import ModelOutput
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError, NotPrivatizableError
 from hf_dp_repr.privacy.batch_rows import ExampleRows, RowsProbe, rows_per_example
-from hf_dp_repr.privacy.probe import probe_training_rows
+from hf_dp_repr.privacy.row_probe import probe_training_rows
 from hf_dp_repr.privacy.sampler import ExampleBatchCollator
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import (
@@ -195,7 +195,7 @@ def test_collator_copying_a_prefix_the_examples_share_is_refused():
     """Examples sharing their first 3 tokens (a chat template's prefix) hid a collator that copies row 0's first 3
     tokens into every row: replacing one real example by another left the other rows as they were (seen failing:
     accepted). A stand-in differing from the example everywhere moves them; a collator keeping rows apart passes."""
-    from hf_dp_repr.privacy.probe import check_collator_keeps_examples_apart
+    from hf_dp_repr.privacy.row_probe import check_collator_keeps_examples_apart
 
     examples = [{"input_ids": [5, 6, 7, 10 + i, 20 + i], "labels": [5, 6, 7, 10 + i, 20 + i]} for i in range(3)]
 

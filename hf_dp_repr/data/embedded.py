@@ -160,6 +160,8 @@ def resolve_model_path(name: str) -> str:
 
     from transformers import AutoConfig
 
+    from .hub_names import hub_unreachable
+
     if name != MINILM:
         return name
     try:
@@ -167,6 +169,8 @@ def resolve_model_path(name: str) -> str:
             # declared offline: do not wait for the Hub client's retries (it may have read the variable before it
             # was set)
             raise OSError("HF_HUB_OFFLINE is set")
+        if why := hub_unreachable():  # no network: one probe, not the Hub client's minute of retries
+            raise OSError(why)
         AutoConfig.from_pretrained(name)
         return name
     except OSError as err:

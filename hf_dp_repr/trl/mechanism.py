@@ -49,7 +49,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..errors import ArgumentTypeError, DPConfigError, UnsupportedError
 from ..training.arguments import DPTrainingArguments
-from ..training.report import DPPublishedLogs
+from ..training.privacy_report import DPPublishedLogs
 from ..training.trainer import DPTrainer
 
 # The TRL trainers this mechanism is tested on (class name → their DP config, "module:name", made by dp_config_class).
