@@ -24,6 +24,8 @@ Example:
     (True, True, False)
     >>> cache_root().name
     'hf_dp_repr'
+    >>> shipped_name("/cache/hf_dp_repr/smollm2-135m-instruct-0.1.2"), shipped_name("./smollm2-135m-instruct-mine")
+    ('smollm2-135m-instruct', None)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -71,6 +74,13 @@ _MARKED_TURN = ("{{'<|im_start|>' + message['role'] + '\n'}}{% if message['role'
 def is_gguf_model(name: str) -> bool:
     """Whether `name` is a shipped GGUF model's name or a path to a `.gguf` file."""
     return name.lower() in SHIPPED or name.lower().endswith(".gguf")
+
+
+def shipped_name(folder: str) -> str | None:
+    """The shipped name of a cached folder of it (`.../smollm2-135m-instruct-0.1.2` → `smollm2-135m-instruct`), else
+    None: what a card or a saved adapter config names instead of the local path, and `resolve_model_path` loads."""
+    folder_name = Path(folder).name
+    return next((name for name in SHIPPED if re.fullmatch(rf"{re.escape(name)}-\d+(\.\d+)*", folder_name)), None)
 
 
 def cache_root() -> Path:

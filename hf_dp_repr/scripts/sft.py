@@ -173,8 +173,10 @@ def answer(trainer, margs: SFTArguments) -> dict:
     if margs.use_lora:
         from peft import PeftConfig, PeftModel
 
+        from hf_dp_repr.data import resolve_model_path
+
         base = PeftConfig.from_pretrained(out).base_model_name_or_path  # saved as a name, or relative to out
-        base = os.path.join(out, base) if os.path.isdir(os.path.join(out, base)) else base
+        base = os.path.join(out, base) if os.path.isdir(os.path.join(out, base)) else resolve_model_path(base)
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
     else:
         model = AutoModelForCausalLM.from_pretrained(out)
