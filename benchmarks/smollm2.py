@@ -145,7 +145,7 @@ def main() -> None:
         print(label, {k: v for k, v in report["settings"][label].items() if k != "answers"}, flush=True)
     if args.analyze:
         dp = f"dp-eps{max(args.epsilons):g}-run0"
-        models = [resolve_model_path(NAME), report["settings"][dp]["folder"], report["settings"]["non-private"]["folder"]]
+        models = [report["settings"][label]["folder"] for label in ("base", dp, "non-private")]
         cmd = [sys.executable, "-m", "hf_dp_repr.cli", "analyze", "--dataset", "stdlib-paragraphs", "--max-examples",
                "64", "--block-size", "64", "--out", str(out / "law")]
         for label, model in zip(["base", dp, "non-private"], models):

@@ -88,7 +88,8 @@ def test_an_interrupted_build_leaves_nothing_and_a_finished_one_is_renamed_into_
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.setattr(gguf_models, "_write_plain_folder", lambda src, out: (out / "config.json").write_text("{}"))
     folder = Path(gguf_model_folder(str(source)))
-    assert folder.parent == tmp_path / "cache" and folder.name.startswith("model-") and (folder / "config.json").is_file()
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("model-")
+    assert (folder / "config.json").is_file()
 
 
 @pytest.mark.slow
