@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -99,10 +100,11 @@ def train(args, work: Path, label: str, epsilon: float | None) -> tuple[str, dic
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode:
         raise SystemExit(f"{label} failed:\n{done.stderr[-3000:]}")
+    (work / f"{label}.log").write_text(done.stdout + done.stderr)
     results = json.loads((out / "all_results.json").read_text())
-    return str(out), {"steps_per_s": float(results["train_steps_per_second"]),
-                      "peak_rss_gb": int(done.stderr.strip().splitlines()[-1]) / 2**20,
-                      "epsilon": float(results.get("epsilon", "inf"))}
+    speed = re.findall(r"'train_steps_per_second': '([0-9.e+-]+)'", done.stdout + done.stderr)  # the Trainer's log
+    return str(out), {"steps_per_s": float(speed[-1]), "peak_rss_gb": int(done.stderr.strip().splitlines()[-1]) / 2**20,
+                      "epsilon": float(results["epsilon"]) if results.get("epsilon") is not None else math.inf}
 
 
 def mean_sd(values: list[float]) -> str:
