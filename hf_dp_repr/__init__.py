@@ -37,7 +37,7 @@ from .errors import (
     UnsupportedError,
 )
 from .quiet import silence_known_noise
-from .training.search_backends import register_search_backend
+from .training.hp_search.backends import register_search_backend
 
 passive_openmp_at_import()  # OMP_WAIT_POLICY=PASSIVE before torch loads (entry_point.py): the quick start is fast
 silence_known_noise()  # warnings that ask for no action, by message only (see quiet.py)

@@ -48,7 +48,7 @@ import math
 import sys
 
 from .entry_point import CommandParser, prepare_entry_point
-from .training.argument_checks import target_epsilon_problem
+from .training.arguments.checks import target_epsilon_problem
 
 
 def _target_epsilon(text: str) -> float:
@@ -206,9 +206,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def add_audit_parser(subparsers) -> None:
-    """`audit` (hf_dp_repr.audit.cli) with `--run OUTPUT_DIR`: the recipe's split is rebuilt by the recipes
+    """`audit` (hf_dp_repr.audit.audit_cli) with `--run OUTPUT_DIR`: the recipe's split is rebuilt by the recipes
     (hf_dp_repr.scripts.run_split), which the audit stage below them cannot import."""
-    from .audit.cli import add_audit_parser as add_membership_audit
+    from .audit.audit_cli import add_audit_parser as add_membership_audit
 
     p = add_membership_audit(subparsers)
     p.add_argument("--run", metavar="OUTPUT_DIR",
@@ -219,7 +219,7 @@ def add_audit_parser(subparsers) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from .audit.cli import run_audit as run_membership_audit
+    from .audit.audit_cli import run_audit as run_membership_audit
     from .audit.inputs import fail
 
     if args.run is not None:
@@ -250,8 +250,9 @@ def add_synth_parser(subparsers) -> None:
 def run_synth(args: argparse.Namespace) -> int:
     import importlib
 
-    importlib.import_module("hf_dp_repr.scripts.synth").main(args.recipe_args)  # by name, as `train` (same rank)
-    return 0
+    run_command = importlib.import_module("hf_dp_repr.scripts.arguments").run_command  # a typed error: one line
+    return run_command(importlib.import_module("hf_dp_repr.scripts.synth").main, "hf-dp-repr synth",
+                       args.recipe_args)  # by name, as `train` (same rank)
 
 
 # name: (its line in `hf-dp-repr --help`, "module:function" that adds its parser; imported only when it runs)
@@ -263,7 +264,7 @@ COMMANDS = {
               "classifier or a chat model (sft, dpo: with TRL); `hf-dp-repr train image --help` lists its arguments.",
               "hf_dp_repr.cli:add_train_parser"),
     "analyze": ("separation fuzziness / prediction residual laws of models",
-                "hf_dp_repr.analysis.cli:add_analyze_parser"),
+                "hf_dp_repr.analysis.analyze_cli:add_analyze_parser"),
     "audit": ("membership inference against a saved DP run (report beside its ε); `audit canaries`: the one-run "
               "canary audit; `audit exposure`: canary exposure with and without DP",
               "hf_dp_repr.cli:add_audit_parser"),

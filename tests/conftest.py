@@ -37,10 +37,10 @@ def pytest_collection_finish(session):
 
 @pytest.fixture(autouse=True)
 def _each_test_is_a_process_of_its_own():
-    """hf_dp_repr.training.tuning_data remembers the private training sets of the process (a public-mode search on one
-    is refused); tests reuse the same digits rows for unrelated scenarios."""
+    """hf_dp_repr.training.hp_search.tuning_data remembers the private training sets of the process (a public-mode
+    search on one is refused); tests reuse the same digits rows for unrelated scenarios."""
     yield
-    from hf_dp_repr.training.tuning_data import forget
+    from hf_dp_repr.training.hp_search.tuning_data import forget
 
     forget()
 

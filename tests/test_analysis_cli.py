@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hf_dp_repr.analysis import RepresentationReport, fit_law, plot_laws, plot_umap
-from hf_dp_repr.analysis.cli import add_analyze_parser, run_analyze
+from hf_dp_repr.analysis.analyze_cli import add_analyze_parser, run_analyze
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hf_dp_repr.analysis import analyze_representations
-from hf_dp_repr.analysis.cli import add_analyze_parser, summary_table
-from hf_dp_repr.analysis.report import RepresentationReport
+from hf_dp_repr.analysis.analyze_cli import add_analyze_parser, summary_table
+from hf_dp_repr.analysis.law_report import RepresentationReport
 from hf_dp_repr.tiny import tiny_vit
 
 ROOT = Path(__file__).resolve().parents[1]

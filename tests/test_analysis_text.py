@@ -10,7 +10,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 
 from hf_dp_repr.analysis import analyze_representations, knn_predict
-from hf_dp_repr.analysis.cli import add_analyze_parser, run_analyze
+from hf_dp_repr.analysis.analyze_cli import add_analyze_parser, run_analyze
 from hf_dp_repr.analysis.model_kind import DECODER, ENCODER, text_model_kind
 from hf_dp_repr.data import MINILM
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama

@@ -1,4 +1,4 @@
-"""`DPTrainingArguments` (training/arguments.py, argument_checks.py, argument_fields.py). Every TrainingArguments
+"""`DPTrainingArguments` (training/arguments/: __init__, checks, fields). Every TrainingArguments
 field is honoured, irrelevant or refused with the reason (issue 23, item 6): nothing the Trainer takes is silently
 ignored under DP-SGD. A setting DP-SGD cannot take (a bad or non-finite budget, a zero batch size, fp16,
 ignore_data_skip, hub_token, clipping='none' with noise, privacy_unit combinations) is refused at once, naming the
@@ -29,7 +29,7 @@ REFUSED_VALUES = {
 
 
 def test_every_trainer_field_has_a_decision():
-    from hf_dp_repr.training.argument_fields import FIELDS
+    from hf_dp_repr.training.arguments.fields import FIELDS
 
     names = [f.name for f in dataclasses.fields(TrainingArguments)]
     assert sorted(FIELDS) == sorted(names), set(names) ^ set(FIELDS)

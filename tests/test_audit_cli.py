@@ -118,7 +118,7 @@ def test_more_members_than_the_run_trained_on_are_refused(overfit_run, tmp_path)
 def test_members_are_checked_against_the_ledger_n_and_unit():
     from datasets import Dataset
 
-    from hf_dp_repr.audit.cli import check_members
+    from hf_dp_repr.audit.audit_cli import check_members
     from hf_dp_repr.errors import AuditDataError
 
     rows = Dataset.from_dict({"labels": [0] * 6, "user_id": ["a", "a", "b", "b", "c", "c"]})

@@ -15,7 +15,7 @@ from transformers.utils import ModelOutput
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import DPConfigError, NotPrivatizableError
 from hf_dp_repr.privacy.batch_rows import ExampleRows, RowsProbe, rows_per_example
-from hf_dp_repr.privacy.probe import probe_training_rows
+from hf_dp_repr.privacy.row_probe import probe_training_rows
 from hf_dp_repr.privacy.sampler import ExampleBatchCollator
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 from utils import (

@@ -1,4 +1,4 @@
-"""Checkpoint weights (training/checkpoint.py): resuming restores exactly the weights that were checkpointed (every
+"""Checkpoint weights (checkpoints/weights.py): resuming restores exactly the weights that were checkpointed (every
 tensor, for every model kind), and `load_best_model_at_end` loads the best checkpoint's weights; a checkpoint that does
 not fit is refused."""
 
@@ -13,7 +13,7 @@ from transformers.utils import logging
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.errors import CheckpointMismatchError
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_llama, tiny_vit
-from hf_dp_repr.training.checkpoint import load_checkpoint_weights
+from hf_dp_repr.training.checkpoints.weights import load_checkpoint_weights
 from utils import make_token_classification_dataset, make_token_dataset
 
 STOP = 2

@@ -117,6 +117,6 @@ def test_training_start_checks_for_spinning_threads():
     """announce_plan (run as the DP optimizer is made, when training starts) calls the check."""
     import inspect
 
-    from hf_dp_repr.training import report
+    from hf_dp_repr.training import privacy_report
 
-    assert "warn_if_openmp_spins()" in inspect.getsource(report.announce_plan)
+    assert "warn_if_openmp_spins()" in inspect.getsource(privacy_report.announce_plan)

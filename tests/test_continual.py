@@ -9,8 +9,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.tiny import tiny_vit
-from hf_dp_repr.training.continual import RECORD_FILE, load_record
-from hf_dp_repr.training.curvature import HessianTraceCallback, hutchinson_trace, model_trace, public_batch
+from hf_dp_repr.training.continual.curvature import HessianTraceCallback, hutchinson_trace, model_trace, public_batch
+from hf_dp_repr.training.continual.public_phase import RECORD_FILE, load_record
 
 
 def hutchinson_tolerance(hessian: torch.Tensor, probes: int, k: float = 5.0) -> float:
@@ -164,7 +164,7 @@ def test_decelerator_switch_stops_at_the_first_small_ratio(digits, tmp_path):
 
 def test_curvature_along_the_clipped_gradient_matches_a_finite_difference():
     """ḡᵀHḡ from clipped_gradient_terms against (Gᵀḡ at w + εḡ − at w − εḡ) / 2ε on a tiny linear regression."""
-    from hf_dp_repr.training.curvature import clipped_gradient_terms
+    from hf_dp_repr.training.continual.curvature import clipped_gradient_terms
 
     class Tiny(torch.nn.Module):
         def __init__(self):

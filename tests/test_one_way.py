@@ -126,7 +126,7 @@ def test_embedded_datasets_have_one_loader_and_no_import_cycle():
 def test_each_embedded_dataset_name_has_one_meaning():
     """'stdlib-docs' once named paragraphs (the LM recipe) and token blocks (analyze); now each has its own name and
     the old one means paragraphs wherever it is passed."""
-    from hf_dp_repr.analysis.cli import add_analyze_parser
+    from hf_dp_repr.analysis.analyze_cli import add_analyze_parser
     from hf_dp_repr.data import EMBEDDED_DATASETS, embedded_name, load_embedded
     from hf_dp_repr.scripts.causal_lm import LMArguments
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from hf_dp_repr.errors import ProcessGroupError
-from hf_dp_repr.training.argument_checks import check_one_run, join_cpu_processes, launched_processes
+from hf_dp_repr.training.arguments.checks import check_one_run, join_cpu_processes, launched_processes
 
 
 @pytest.fixture

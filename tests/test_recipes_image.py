@@ -133,8 +133,8 @@ def test_npz_classes_are_declared(tmp_path):
     with pytest.raises(ValueError, match=r"y_test holds labels outside 0..2"):
         image_recipe.main(argv + ["--num_labels", "3"])
     np.savez(tmp_path / "a.npz", **{**arrays, "y_test": np.array([0, 1]), "class_names": np.array(["r", "g", "b"])})
-    data, _, label_col = image_recipe.load_image_data(image_recipe.ImageArguments(dataset_name=str(tmp_path / "a.npz")),
-                                                      seed=0)
+    data, _, label_col, _ = image_recipe.load_image_data(
+        image_recipe.ImageArguments(dataset_name=str(tmp_path / "a.npz")), seed=0)
     assert data["train"].features[label_col].names == ["r", "g", "b"]
     assert not (tmp_path / "o").exists()
 

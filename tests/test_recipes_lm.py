@@ -30,7 +30,7 @@ def test_causal_lm_recipe_offline_with_a_locally_trained_tokenizer(tmp_path, cap
     assert "to train the tokenizer" in card and "one document (all its blocks) is one unit of privacy" in card
     # document-level by default: the card says so, and its ε is the accountant's ε over documents
     ledger = json.loads((tmp_path / "privacy_ledger.json").read_text())
-    docs = lm_recipe.load_documents(lm_recipe.LMArguments())["train"]
+    docs = lm_recipe.load_documents(lm_recipe.LMArguments())[0]["train"]
     n_private = len(docs) - len(docs) // 2  # public_fraction 0.5 of a tiny config: train_test_split's test side
     assert ledger["privacy_unit"] == "document_id" and ledger["dataset_size"] == n_private
     assert ledger["phases"][0]["sample_rate"] == pytest.approx(32 / n_private)
@@ -52,7 +52,7 @@ def test_causal_lm_public_private_and_eval_documents_are_disjoint_by_content():
     public ones) is kept once, so no private text is also public or held out, and none is counted twice."""
     from hf_dp_repr.scripts.causal_lm import LMArguments, load_documents
 
-    docs = load_documents(LMArguments())
+    docs, _ = load_documents(LMArguments())
     public, private = ru.split_public_private(docs["train"], 0.5, seed=0)
     assert len(public) + len(private) == len(docs["train"])
     assert sorted(list(public["text"]) + list(private["text"])) == sorted(docs["train"]["text"])  # a partition
@@ -76,7 +76,7 @@ def test_documents_of_a_saved_dataset_are_deduplicated_across_splits(tmp_path):
 
     datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": ["a b", "c", "a  b", "", "d", "e"]}),
                          test=datasets.Dataset.from_dict({"text": ["d", "f", "f"]})).save_to_disk(tmp_path / "d")
-    docs = load_documents(LMArguments(dataset_name=str(tmp_path / "d")))
+    docs, _ = load_documents(LMArguments(dataset_name=str(tmp_path / "d")))
     assert docs["train"]["text"] == ["a b", "c", "e"] and docs["eval"]["text"] == ["d", "f"]
 
 

@@ -27,7 +27,7 @@ def registries():
     """Registrations last for the process: each test gets the registries back as they were."""
     from hf_dp_repr.privacy.clipping_modes import CLIPPING_MODES
     from hf_dp_repr.scope.groups import GROUPS
-    from hf_dp_repr.training.search_backends import SEARCH_BACKENDS
+    from hf_dp_repr.training.hp_search.backends import SEARCH_BACKENDS
 
     saved = [(table, dict(table)) for table in (ACCOUNTANTS, GHOST_RULES, CLIPPERS, CLIPPING_MODES, GROUPS,
                                                 SEARCH_BACKENDS)]
@@ -206,7 +206,7 @@ def test_the_trainer_clips_a_registered_module_by_ghost_norms_else_by_hooks(regi
 def test_a_name_registered_twice_is_refused_unless_replaced(registries):
     from hf_dp_repr.privacy.clipping_modes import CLIPPING_MODES, register_clipping_mode
     from hf_dp_repr.scope.groups import GROUPS, register_group
-    from hf_dp_repr.training.search_backends import SEARCH_BACKENDS, register_search_backend
+    from hf_dp_repr.training.hp_search.backends import SEARCH_BACKENDS, register_search_backend
 
     pld = ACCOUNTANTS["pld"]
     with pytest.raises(DPConfigError, match="accountant 'pld' is already registered; pass replace=True"):

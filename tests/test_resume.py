@@ -1,4 +1,4 @@
-"""Resuming (training/resume.py, output_dir.py; issue 23 items 1, 2, 3, 5; issue 22 item 5): a checkpoint is whole or
+"""Resuming (checkpoints/resume.py, output_dir.py; issue 23 items 1, 2, 3, 5; issue 22 item 5): a checkpoint is whole or
 absent, resume takes the newest complete one, spends the same ε as an uninterrupted run and refuses a changed plan,
 steps lost to a kill are charged, output_dir is checked before any work and a refusal writes nothing, a recipe rerun
 resumes, and a changed argument on resume is named, refused or ignored. What is saved is a plain HF model."""

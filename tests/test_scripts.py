@@ -73,12 +73,14 @@ def test_config_file_then_command_line_and_the_given_options(tmp_path):
 def test_dataset_helpers_name_the_flag_to_set():
     import datasets
 
+    from hf_dp_repr.data.user_data import check_column
+
     raw = datasets.DatasetDict(train=datasets.Dataset.from_dict({"x": [1, 2, 3, 4]}))
-    with pytest.raises(ValueError, match=r"no split 'test' \(it has \['train'\]\); set --train_split / --eval_split"):
-        utils.pick_splits(raw, "d", "train", "test")
-    assert utils.first_column(["img", "label"], ("image", "img"), "--image_column") == "img"
+    with pytest.raises(ValueError, match=r"no split 'valid' \(it has \['train'\]\); set --train_split"):
+        utils.pick_splits(raw, arguments.ScriptArguments(train_split="valid"), seed=0)
+    assert check_column(["img", "label"], None, ("image", "img"), "--image_column") == "img"
     with pytest.raises(ValueError, match="--text_column"):
-        utils.first_column(["a"], ("text",), "--text_column")
+        check_column(["a"], None, ("text",), "--text_column")
     public, private = utils.split_public_private(raw["train"], 0.5, seed=0)
     assert len(public) == 2 and sorted(list(public["x"]) + list(private["x"])) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="public_fraction"):
@@ -201,7 +203,7 @@ def test_class_names_come_from_the_declaration_and_labels_must_fit_it():
 
 # ---- what a run shows ----------------------------------------------------------------------------------------------
 def test_recipes_log_epsilon_about_twenty_times_unless_told(tmp_path):
-    from hf_dp_repr.scripts import report as recipe_report
+    from hf_dp_repr.scripts import recipe_report
 
     args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1, report_to="none")
     recipe_report.default_logging(args, planned_steps=264, given=set())
@@ -243,7 +245,7 @@ def test_only_the_main_process_logs():
 
 def test_result_table_states_metrics_and_privacy():
     from hf_dp_repr.privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
-    from hf_dp_repr.scripts import report as recipe_report
+    from hf_dp_repr.scripts import recipe_report
 
     ledger = PrivacyLedger(PrivacyPlan(accountant="prv", target_delta=1e-5, per_sample_max_grad_norm=1.0,
                                        clipping="flat", dataset_size=1006, poisson_sampling=True,
@@ -282,7 +284,7 @@ def test_demo_end_to_end_tells_the_story(tmp_path, capsys):
 def test_public_pretraining_prints_progress_lines():
     from types import SimpleNamespace
 
-    from hf_dp_repr.scripts import report as recipe_report
+    from hf_dp_repr.scripts import recipe_report
 
     lines = []
     cb = recipe_report.ProgressLines("public pre-training", epochs=40, log=lines.append)

@@ -10,7 +10,7 @@ import pytest
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
 from hf_dp_repr.tiny import tiny_vit
-from hf_dp_repr.training.search_backends import SEARCH_BACKENDS, register_search_backend
+from hf_dp_repr.training.hp_search.backends import SEARCH_BACKENDS, register_search_backend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

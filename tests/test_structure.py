@@ -106,3 +106,29 @@ def test_the_core_never_imports_trl():
     code = ("import sys, hf_dp_repr, hf_dp_repr.training.trainer, hf_dp_repr.training.arguments; "
             "hf_dp_repr.DPTrainer; sys.exit('trl' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent).returncode == 0
+
+
+def test_every_module_is_placed_in_the_architecture_page():
+    """docs/architecture.md's layout names every module of the package on its folder's line(s): a new module is
+    placed there (or this fails, naming it)."""
+    import re
+
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    layout = page.split("## Layout", 1)[1].split("```")[1]
+    sections, folder = {}, None  # folder (as the page writes it) -> the text of its lines
+    for line in layout.splitlines():
+        if not line.startswith(" "):  # a new entry: one of the package's folders, or recipes/, docs/, ...
+            folder, _, line = line.partition(" ")
+            folder = folder if folder.startswith("hf_dp_repr/") else None
+        if folder is not None:
+            sections[folder] = sections.get(folder, "") + " " + line
+    missing = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py":  # its folder's line describes the package
+            continue
+        rel = path.relative_to(PACKAGE.parent)
+        folder = "hf_dp_repr/*.py" if rel.parent == pathlib.Path("hf_dp_repr") else f"{rel.parent.as_posix()}/"
+        if not re.search(rf"(?<![\w/]){re.escape(path.stem)}(?!\w)", sections.get(folder, "")):
+            missing.append(rel.as_posix())
+    assert not missing, "modules docs/architecture.md does not place (name each on its folder's line):\n" + "\n".join(
+        sorted(missing))

@@ -22,8 +22,8 @@ from .callback import RepresentationLawCallback
 from .features import analyze_representations, extract_features
 from .knn import knn_predict, knn_probe
 from .law import LawFit, fit_law, fuzziness_law, residual_law
+from .law_report import RepresentationReport
 from .plots import plot_laws, plot_umap
-from .report import RepresentationReport
 from .residual import ResidualStats, prediction_residual
 from .separation import SeparationStats, separation_fuzziness
 

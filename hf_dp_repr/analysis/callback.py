@@ -40,8 +40,8 @@ from transformers import TrainerCallback
 
 from ..errors import ArgumentError
 from .features import analyze_representations
+from .law_report import RepresentationReport
 from .plots import plot_laws
-from .report import RepresentationReport
 
 __all__ = ["RepresentationLawCallback"]
 

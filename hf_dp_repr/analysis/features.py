@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from ..errors import ArgumentError, DataError, MissingColumnError
 from .batches import LABELLED, TASKS, TEXT, VISION, batch_size_of, detect_task, iter_batches, language_inputs, to_tensor
 from .law import fuzziness_law, residual_law
-from .report import RepresentationReport
+from .law_report import RepresentationReport
 from .residual import ResidualStats
 from .separation import SeparationStats
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from hf_dp_repr.data import DIGITS, STDLIB_BLOCKS, STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path
 from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.data.user_data import check_column, encode_labels, load_user_data
 
 from .batches import LANGUAGE, TEXT, VISION
 from .model_kind import DECODER, ENCODER, ENCODER_DECODER, text_model_kind
@@ -90,15 +90,24 @@ def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]
         from hf_dp_repr.data.images import load_npz
 
         data = pick(load_npz(args.dataset, getattr(args, "num_labels", None)), split)
-    else:
-        import datasets
-
-        if Path(args.dataset).exists():
-            data = datasets.load_from_disk(args.dataset)
-            data = pick(data, split) if isinstance(data, datasets.DatasetDict) else data
-        else:
-            data = datasets.load_dataset(args.dataset, split=split)
+    else:  # a save_to_disk folder, an imagefolder, data files, a Hub name: the recipes' loader (data.user_data)
+        data = pick(user_columns(load_user_data(args.dataset), args), split)
     return prepare(data, name, model, tokenizer, args.block_size, args.dataset, image_options=_image_options(args))
+
+
+def user_columns(raw, args):
+    """`raw` (a DatasetDict) with the columns named by --image-column / --text-column / --label-column renamed to
+    what `prepare` reads (image, text, labels), and string labels encoded as a ClassLabel."""
+    columns = next(iter(raw.values())).column_names
+    renames = {}
+    for flag, given, target in (("--image-column", getattr(args, "image_column", None), "image"),
+                                ("--text-column", getattr(args, "text_column", None), "text"),
+                                ("--label-column", getattr(args, "label_column", None), "labels")):
+        if given is not None and check_column(columns, given, (), flag) != target:
+            renames[given] = target
+    raw = raw.rename_columns(renames) if renames else raw
+    label = next((c for c in ("labels", "label") if c in columns or c in renames.values()), None)
+    return raw if label is None else encode_labels(raw, label).data
 
 
 def _image_options(args) -> dict:

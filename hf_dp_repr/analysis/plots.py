@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ..errors import ArgumentError, DataError
-from .report import RepresentationReport
+from .law_report import RepresentationReport
 
 __all__ = ["plot_laws", "plot_umap"]
 

@@ -27,7 +27,7 @@ push.
 
 Example (in Python; on the command line the same arguments follow `hf-dp-repr audit`):
     >>> import argparse, tempfile
-    >>> from hf_dp_repr.audit.cli import add_audit_parser
+    >>> from hf_dp_repr.audit.audit_cli import add_audit_parser
     >>> parser = argparse.ArgumentParser(); _ = add_audit_parser(parser.add_subparsers())
     >>> args = parser.parse_args(["audit", "canaries", "--model", tempfile.mkdtemp(), "--train", "digits:train",
     ...                           "--canaries", "10", "--k", "6", "--", "--target_epsilon", "1"])

@@ -21,7 +21,7 @@ public and trains the tokenizer of a tiny model) or a `save_to_disk` folder with
 
 Example (in Python; on the command line the same arguments follow `hf-dp-repr audit`):
     >>> import argparse
-    >>> from hf_dp_repr.audit.cli import add_audit_parser
+    >>> from hf_dp_repr.audit.audit_cli import add_audit_parser
     >>> parser = argparse.ArgumentParser(); _ = add_audit_parser(parser.add_subparsers())
     >>> args = parser.parse_args(["audit", "exposure", "--repeats", "0", "--", "--target_epsilon", "1"])
     >>> args.func(args)

@@ -163,6 +163,7 @@ def resolve_model_path(name: str) -> str:
     from transformers import AutoConfig
 
     from .gguf_models import gguf_model_folder, is_gguf_model
+    from .hub_names import hub_unreachable
 
     if is_gguf_model(name):
         return gguf_model_folder(name)
@@ -173,6 +174,8 @@ def resolve_model_path(name: str) -> str:
             # declared offline: do not wait for the Hub client's retries (it may have read the variable before it
             # was set)
             raise OSError("HF_HUB_OFFLINE is set")
+        if why := hub_unreachable():  # no network: one probe, not the Hub client's minute of retries
+            raise OSError(why)
         AutoConfig.from_pretrained(name)
         return name
     except OSError as err:

@@ -7,7 +7,7 @@ position bias is an Embedding fed (q, k) bucket ids that no example owns, and a 
 (`nn.MultiheadAttention(batch_first=False)`, kept by `ModuleValidator.fix`) feeds its projections (T, B, d). With
 B = T nothing crashes, and one example could move the clipped sum by more than 2C. So:
 
-- `RowsProbe` (used by `privacy.probe` at the start of training) records the rows of every hooked module on k
+- `RowsProbe` (used by `privacy.row_probe` at the start of training) records the rows of every hooked module on k
   and on k + 1 rows of the same examples (the same padded length), the last row a copy of the first, and
   `rows_per_example` accepts a module whose input and output have k and k + 1 rows, or r·k and r·(k + 1) with the
   rows example-major (OPT's MLP and its LayerNorm see (B·T, d)); in both cases the copy's rows must equal those of

@@ -33,6 +33,14 @@ class ScriptArguments:
     dataset_name: str | None = field(default=None, metadata={
         "help": "An embedded dataset, a DatasetDict.save_to_disk folder, or a datasets.load_dataset name."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
+    train_file: str | None = field(default=None, metadata={
+        "help": "A csv/tsv, json/jsonl, parquet, arrow or txt file of training rows, instead of --dataset_name "
+                "(docs/your-data.md)."})
+    validation_file: str | None = field(default=None, metadata={"help": "A data file of validation rows."})
+    test_file: str | None = field(default=None, metadata={"help": "A data file of test rows (evaluated on)."})
+    holdout_fraction: float = field(default=0.2, metadata={
+        "help": "When the data has no --eval_split (nor a validation split), hold out this share of the training "
+                "rows for evaluation (with --seed); the plan and the model card say so."})
     train_split: str = field(default="train", metadata={"help": "Split trained on (the private data)."})
     eval_split: str = field(default="test", metadata={"help": "Split evaluated on (held out)."})
     config: str | None = field(default=None, metadata={
@@ -48,7 +56,12 @@ class ClassificationArguments(ScriptArguments):
     """`ScriptArguments` + the label set and eval size of a classifier's recipe."""
 
     label_column: str | None = field(default=None, metadata={
-        "help": "Label column (default: the first of labels, label, fine_label)."})
+        "help": "Label column (default: the first of labels, label, fine_label). String labels become a ClassLabel."})
+    class_names: list[str] | None = field(default=None, metadata={
+        "help": "The classes, in id order, e.g. negative positive (the Trainer's own --label_names names input keys): "
+                "declared rather than read off the private rows "
+                "(without it, string labels are encoded with the sorted set of labels present, which the model then "
+                "publishes; the plan and the card say so)."})
     num_labels: int | None = field(default=None, metadata={
         "help": "Number of classes (labels 0..N-1), when neither the dataset (a ClassLabel column, a .npz with "
                 "class_names) nor the model (a saved classifier) declares them. Never read off the private labels."})

@@ -47,10 +47,10 @@ from hf_dp_repr.data import (
 )
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.data.tokenizer import train_tokenizer
+from hf_dp_repr.data.user_data import check_column
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
-from hf_dp_repr.scripts import checks
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import AnalysisArguments, PublicPretrainingArguments, ScriptArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments, check_privacy_unit
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = margs.model_name_or_path
     public_fraction = margs.resolved_public_fraction(ru.is_tiny(name))
 
-    docs = load_documents(margs)
+    docs, held_out = load_documents(margs, targs.seed)
     public_docs, private_docs = (None, docs["train"]) if public_fraction == 0 else ru.split_public_private(
         docs["train"], public_fraction, targs.seed)
     tokenizer = load_or_train_tokenizer(margs, public_docs, save_dir=targs.output_dir)
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if public_docs is not None:
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
-        signature = dict(model=name, dataset=margs.dataset_name, config=margs.dataset_config_name,
+        signature = dict(model=name, dataset=ru.dataset_name(margs) or margs.train_file,
+                         config=margs.dataset_config_name,
                          fraction=public_fraction, seed=targs.seed, epochs=margs.public_epochs,
                          lr=margs.public_learning_rate, batch=margs.public_batch_size, block=margs.block_size,
                          vocab=len(tokenizer))
@@ -124,15 +125,16 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks.append(RepresentationLawCallback(blocks["eval"], task="causal-lm",
                                                    max_examples=margs.analysis_max_examples))
     card_info = ModelCardInfo(
-        model_name=f"{name} fine-tuned on {margs.dataset_name}",
+        model_name=f"{name} fine-tuned on {ru.data_description(margs)}",
         base_model=None if ru.is_tiny(name) else name,
         base_model_description=(f"{name} (built-in tiny config, random init), pre-trained here on the public data"
                                 if ru.is_tiny(name) and public_docs is not None else name),
-        datasets=[margs.dataset_name] if embedded_name(margs.dataset_name) is None else [],
+        datasets=ru.hub_datasets(margs),
         private_data=(f"{len(blocks['private'])} blocks of {'at most ' if by_document else ''}{margs.block_size} "
                       f"tokens from {len(private_docs)} documents of the '{margs.train_split}' split of "
-                      f"{margs.dataset_name}; " + ("one document (all its blocks) is one unit of privacy"
-                                                   if by_document else "one block is one unit of privacy")),
+                      f"{ru.data_description(margs)}; " + ("one document (all its blocks) is one unit of privacy"
+                                                           if by_document else "one block is one unit of privacy")
+                      + (f"; {held_out}" if held_out else "")),
         public_data=(f"{len(public_docs)} other documents of the same split (disjoint), used for non-private "
                      "pre-training" + (" and to train the tokenizer" if getattr(tokenizer, "_trained_here", False)
                                        else "")
@@ -181,22 +183,24 @@ def _sample(trainer, margs: LMArguments) -> dict:
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
-def load_documents(margs: LMArguments):
-    """{"train", "eval"} datasets with one document per row in `text`, each distinct text once across both (see
-    `unique_documents`): the public / private split of "train" is then disjoint by content, not only by row."""
+def load_documents(margs: LMArguments, seed: int = 42):
+    """({"train", "eval"} datasets with one document per row in `text`, each distinct text once across both (see
+    `unique_documents`): the public / private split of "train" is then disjoint by content, not only by row; a note
+    for the card when the eval split was held out of the training rows, else None)."""
 
-    if embedded_name(margs.dataset_name) == STDLIB_PARAGRAPHS:
+    if embedded_name(ru.dataset_name(margs) or "") == STDLIB_PARAGRAPHS:
         paragraphs = load_embedded(STDLIB_PARAGRAPHS)  # deduplicated across its splits already
-        return {"train": paragraphs["train"], "eval": paragraphs["test"]}
-    raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
+        return {"train": paragraphs["train"], "eval": paragraphs["test"]}, None
+    raw = ru.load_raw(margs)
+    check_column(next(iter(raw.values())).column_names, margs.text_column, (), "--text_column")
     out = {}
-    splits = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
+    *splits, held_out = ru.pick_splits(raw, margs, seed)
     for key, ds in zip(("train", "eval"), splits):
         if margs.text_column != "text":
             ds = ds.rename_column(margs.text_column, "text")
         out[key] = ds.filter(lambda t: bool(t.strip()), input_columns="text")
     keep_train, keep_eval = unique_documents(out["train"]["text"], out["eval"]["text"], indices=True)
-    return {"train": out["train"].select(keep_train), "eval": out["eval"].select(keep_eval)}
+    return {"train": out["train"].select(keep_train), "eval": out["eval"].select(keep_eval)}, held_out
 
 
 def to_blocks(docs, tokenizer, margs: LMArguments):

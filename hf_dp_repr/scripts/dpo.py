@@ -23,6 +23,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from hf_dp_repr.errors import DataError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.sft import (
@@ -76,6 +77,18 @@ def conversation_pairs(chats, unit_column: str = USER_ID):
     return Dataset.from_dict(rows)
 
 
+def preference_rows(data):
+    """`data` as preference pairs: as they are when it has prompt / chosen / rejected columns, else built from
+    conversations (`messages`) of users (`user_id`) by `conversation_pairs`; else a DataError naming the columns."""
+    columns = data.column_names
+    if {"prompt", "chosen", "rejected"} <= set(columns):
+        return data
+    if {"messages", USER_ID} <= set(columns):
+        return conversation_pairs(data)
+    raise DataError(f"the DPO recipe needs preference pairs (prompt, chosen, rejected columns) or conversations of "
+                    f"users (messages, {USER_ID}) to pair; the data has the columns {columns}")
+
+
 def sft_ledger(sft_model: str | None):
     from hf_dp_repr.privacy.ledger import PrivacyLedger
 
@@ -126,19 +139,24 @@ def load_policy(margs: DPOArguments, tokenizer, targs):
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (ε of this run, and composed with the SFT run's)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
-    if "privacy_unit" not in margs.given_options and margs.dataset_name == STDLIB_CHATS:
+    if "privacy_unit" not in margs.given_options and ru.dataset_name(margs) == STDLIB_CHATS:
         targs.privacy_unit = USER_ID
     if margs.sft_model is not None and margs.tokenizer_name is None:
         margs.tokenizer_name = margs.sft_model  # the SFT run saved its tokenizer (and chat template) there
-    train, evaluation = (None if d is None else conversation_pairs(d) for d in load_chats(margs))
+    chats, evaluation = load_chats(margs, targs.seed)
+    given_pairs = {"prompt", "chosen", "rejected"} <= set(chats.column_names)
+    train, evaluation = (None if d is None else preference_rows(d) for d in (chats, evaluation))
     tokenizer = load_tokenizer(margs)
     model = load_policy(margs, tokenizer, targs)
     peft_config = lora_config(margs)
     card_info = ModelCardInfo(
-        model_name=f"{margs.sft_model or margs.model_name_or_path} preference-tuned (DPO) on {margs.dataset_name}",
-        private_data=f"{len(train)} preference pairs built from the '{margs.train_split}' conversations of "
-                     f"{margs.dataset_name} (chosen: the conversation's answer, rejected: another answer of the same "
-                     "user); the DP SFT model it starts from was trained on the same users",
+        model_name=f"{margs.sft_model or margs.model_name_or_path} preference-tuned (DPO) on "
+                   f"{ru.data_description(margs)}",
+        private_data=(f"{len(train)} preference pairs of the '{margs.train_split}' split of "
+                      f"{ru.data_description(margs)}" if given_pairs else
+                      f"{len(train)} preference pairs built from the '{margs.train_split}' conversations of "
+                      f"{ru.data_description(margs)} (chosen: the conversation's answer, rejected: another answer of "
+                      "the same user); the DP SFT model it starts from was trained on the same users"),
         public_data="the DP SFT model (its own guarantee is in its card) and its tokenizer")
     trainer = DPDPOTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)

@@ -47,11 +47,11 @@ from hf_dp_repr.data.images import (
     to_pixel_values,
 )
 from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.data.user_data import check_column, encode_labels
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scope.preconditioning import parse_preconditioning
-from hf_dp_repr.scripts import checks
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import AnalysisArguments, ClassificationArguments, PublicPretrainingArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     targs.remove_unused_columns = False  # the collator below picks the columns
 
-    data, image_col, label_col = load_image_data(margs, targs.seed)
+    data, image_col, label_col, data_notes = load_image_data(margs, targs.seed)
     source = data["train"]._fingerprint  # the training split as selected, before preprocessing and splitting
     model_name = margs.model_name_or_path
     num_labels, id2label = checks.class_names(
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
-        signature = dict(model=model_name, dataset=margs.dataset_name, split=margs.train_split,
+        signature = dict(model=model_name, dataset=ru.dataset_name(margs) or margs.train_file, split=margs.train_split,
                          fraction=public_fraction, shift=margs.public_shift,
                          classes=margs.public_classes, seed=targs.seed,
                          epochs=margs.public_epochs,
@@ -143,13 +143,14 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks.append(RepresentationLawCallback(data["eval"], max_examples=margs.analysis_max_examples))
 
     card_info = ModelCardInfo(
-        model_name=f"{model_name} fine-tuned on {margs.dataset_name}",
+        model_name=f"{model_name} fine-tuned on {ru.data_description(margs)}",
         base_model=None if ru.is_tiny(model_name) else model_name,
         base_model_description=(f"{model_name} (built-in tiny config, random init), pre-trained here on the public "
                                 "data" if ru.is_tiny(model_name) and public else model_name),
-        datasets=[margs.dataset_name] if margs.dataset_name != DIGITS else [],
-        private_data=f"{len(train)} examples of the '{margs.train_split}' split of {margs.dataset_name}"
-                     + (f" (the {1 - public_fraction:.0%} not used as public data)" if public else ""),
+        datasets=ru.hub_datasets(margs),
+        private_data=f"{len(train)} examples of the '{margs.train_split}' split of {ru.data_description(margs)}"
+                     + (f" (the {1 - public_fraction:.0%} not used as public data)" if public else "")
+                     + "".join(f"; {note}" for note in data_notes),
         public_data=(f"{len(public)} other examples of the same split, disjoint from the private ones"
                      + (f", of classes {margs.public_classes} only" if margs.public_classes else "")
                      + ("" if margs.public_shift == "none" else f", shifted to another distribution "
@@ -200,8 +201,8 @@ def audit_sets(run_dir: str, record: dict, model_args: dict):
     from transformers import AutoConfig
 
     margs = ru.arguments(ImageArguments, model_args)
-    data, image_col, label_col = load_image_data(margs, record["seed"])
-    ru.check_source(data["train"]._fingerprint, record, margs.dataset_name)
+    data, image_col, label_col, _ = load_image_data(margs, record["seed"])
+    ru.check_source(data["train"]._fingerprint, record, ru.data_description(margs))
     model = SimpleNamespace(config=AutoConfig.from_pretrained(run_dir))  # the preprocessing reads the config only
     data, _ = _with_pixel_values(data, margs, model, image_col, label_col)
     train, _, evals = split_private(data, margs, record["public_fraction"], record["seed"])
@@ -210,19 +211,21 @@ def audit_sets(run_dir: str, record: dict, model_args: dict):
 
 # ---- data ----------------------------------------------------------------------------------------------------
 def load_image_data(margs: ImageArguments, seed: int):
-    """{"train", "eval"} datasets and the image / label column names."""
-
-    if margs.dataset_name == DIGITS:
+    """({"train", "eval"} datasets, the image / label column names, notes for the plan and the card: a label set
+    read off the rows, an evaluation split held out of the training data)."""
+    name = ru.dataset_name(margs)
+    if name == DIGITS:
         raw = load_embedded(DIGITS)
-    elif margs.dataset_name.endswith(".npz"):
-        raw = load_npz(margs.dataset_name, margs.num_labels)
+    elif name is not None and name.endswith(".npz"):
+        raw = load_npz(name, margs.num_labels)
     else:
-        raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
-    train, evals = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
-    image_col = margs.image_column or ru.first_column(train.column_names, ("pixel_values", "image", "img"),
-                                                      "--image_column")
-    label_col = margs.label_column or ru.first_column(train.column_names, ("labels", "label", "fine_label"),
-                                                      "--label_column")
+        raw = ru.load_raw(margs)
+    columns = next(iter(raw.values())).column_names
+    image_col = check_column(columns, margs.image_column, ("pixel_values", "image", "img"), "--image_column")
+    label_col = check_column(columns, margs.label_column, ("labels", "label", "fine_label"), "--label_column")
+    labels = encode_labels(raw, label_col, margs.class_names)
+    train, evals, held_out = ru.pick_splits(labels.data, margs, seed)
+    notes = [n for n in (labels.note, held_out) if n]
     if margs.train_indices_file and margs.max_train_samples_per_class:
         raise checks.RecipeArgumentError("--train_indices_file and --max_train_samples_per_class both choose the "
                                          "training subset; give one.")
@@ -232,7 +235,7 @@ def load_image_data(margs: ImageArguments, seed: int):
         train = train.select(per_class_indices(train[label_col], margs.max_train_samples_per_class, seed))
     if margs.max_eval_samples:
         evals = evals.select(range(min(margs.max_eval_samples, len(evals))))
-    return {"train": train, "eval": evals}, image_col, label_col
+    return {"train": train, "eval": evals}, image_col, label_col, notes
 
 
 def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col):

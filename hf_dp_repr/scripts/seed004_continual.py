@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     margs, targs, _push = ru.start_run((Seed004Arguments, DPTrainingArguments), argv)
     targs.privacy_unit = DOCUMENT_ID  # re-checked by dataclasses.replace below
     public_steps = targs.public_max_steps or 60
-    docs = lm.load_documents(margs)
+    docs, _ = lm.load_documents(margs)
     public_docs, private_docs = ru.split_public_private(docs["train"], 0.5, targs.seed)
     tokenizer = lm.load_or_train_tokenizer(margs, public_docs, save_dir=targs.output_dir)
     public = lm.to_blocks(public_docs, tokenizer, margs)

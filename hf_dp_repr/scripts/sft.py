@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass, field
 
 from hf_dp_repr.data.gguf_models import description
+from hf_dp_repr.data.user_data import warn_row_level_users
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import utils as ru
@@ -54,7 +55,8 @@ class SFTArguments(ScriptArguments):
     model_name_or_path: str = field(default="tiny_llama", metadata={
         "help": "Hub name or local folder of a causal LM, or the built-in tiny config 'tiny_llama'."})
     dataset_name: str = field(default=STDLIB_CHATS, metadata={
-        "help": f"'{STDLIB_CHATS}' (built offline), a save_to_disk folder, or a datasets.load_dataset name."})
+        "help": f"'{STDLIB_CHATS}' (built offline), a save_to_disk folder, a folder or file of json/jsonl/parquet "
+                "chats, or a datasets.load_dataset name (or give --train_file)."})
     tokenizer_name: str | None = field(default=None, metadata={
         "help": "Tokenizer with a chat template (default: the model's; for tiny_llama one is trained on public text)."})
     tokenizer_vocab_size: int = field(default=512, metadata={"help": "Vocabulary of a locally trained tokenizer."})
@@ -88,20 +90,22 @@ def lora_config(margs):
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (eval loss, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
-    if "privacy_unit" not in margs.given_options and margs.dataset_name == STDLIB_CHATS:
+    if "privacy_unit" not in margs.given_options and ru.dataset_name(margs) == STDLIB_CHATS:
         targs.privacy_unit = USER_ID  # user-level privacy by default on the built-in data
-    train, evaluation = load_chats(margs)
+    train, evaluation = load_chats(margs, targs.seed)
+    warn_row_level_users(train.column_names, targs.privacy_unit)
     tokenizer = load_tokenizer(margs)
     model = load_model(margs, tokenizer, targs)
     peft_config = lora_config(margs)
     unit = "one user (all their conversations)" if targs.privacy_unit == USER_ID else "one conversation"
     card_info = ModelCardInfo(
-        model_name=f"{margs.model_name_or_path} chat-tuned on {margs.dataset_name}",
+        model_name=f"{margs.model_name_or_path} chat-tuned on {ru.data_description(margs)}",
         base_model=None if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path,
         base_model_description=("a 2-block Llama-style model built from a config (random init)"
                                 if ru.is_tiny(margs.model_name_or_path) else description(margs.model_name_or_path)
                                 or margs.model_name_or_path),
-        private_data=f"{len(train)} conversations of the '{margs.train_split}' split of {margs.dataset_name}; {unit} "
+        private_data=f"{len(train)} conversations of the '{margs.train_split}' split of {ru.data_description(margs)}; "
+                     f"{unit} "
                      "is one unit of privacy",
         public_data=("the docstrings of Python modules that are no user of the data (the tokenizer was trained on "
                      "them)" if getattr(tokenizer, "_trained_here", False) else "the base model and its tokenizer"))
@@ -111,9 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     return ru.finish_run(trainer, result, margs, push=push, extra_rows=lambda t: answer(t, margs))
 
 
-def load_chats(margs: SFTArguments):
+def load_chats(margs: SFTArguments, seed: int = 42):
     """(train, eval) conversation datasets. The built-in data holds out the last `eval_users` users whole."""
-    if margs.dataset_name == STDLIB_CHATS:
+    if ru.dataset_name(margs) == STDLIB_CHATS:
         from hf_dp_repr.trl.chat_data import stdlib_conversations
 
         chats = stdlib_conversations(max_conversations=margs.max_conversations, max_per_user=margs.max_per_user)
@@ -123,8 +127,8 @@ def load_chats(margs: SFTArguments):
             raise RecipeArgumentError(f"--eval_users {margs.eval_users} leaves no user to train on.")
         return (chats.filter(lambda u: u not in held_out, input_columns=USER_ID),
                 chats.filter(lambda u: u in held_out, input_columns=USER_ID) if held_out else None)
-    raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
-    return ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
+    train, evaluation, _ = ru.pick_splits(ru.load_raw(margs), margs, seed)
+    return train, evaluation
 
 
 def load_tokenizer(margs: SFTArguments):

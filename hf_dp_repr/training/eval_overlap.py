@@ -1,4 +1,5 @@
-"""Evaluation sets that share rows with the training set (a mixin of `DPTrainer`, placed before `Trainer`).
+"""Evaluation sets that share rows with the training set (`check_eval_overlap`, `metric_prefix`: used by
+`DPTrainer` at init, train, evaluate and predict).
 
 Metrics of an evaluation set taken from the training data (their losses, predictions, accuracy) are statistics of
 the private data computed outside DP-SGD: the DP guarantee covers the weights, not them. `DPTrainer` checks each
@@ -85,55 +86,48 @@ def shared_rows(train, evaluation) -> Overlap | None:
                    found >= PRIVATE_SHARE * len(checked))
 
 
-class DPEvalOverlapMixin:
-    """`evaluate` / `predict` name the metrics of a set drawn from the training data `train_*` (kept out of
-    pushes); `_check_eval_overlap` warns and refuses model selection by them."""
+def _overlap(trainer, dataset) -> Overlap | None:
+    """`shared_rows` of the trainer's training set and `dataset`, worked out (and warned about) once per pair."""
+    cache = trainer.__dict__.setdefault("_overlap_cache", {})
+    train = trainer.train_dataset
+    key = (id(train), getattr(train, "_fingerprint", None), id(dataset), getattr(dataset, "_fingerprint", None))
+    if key not in cache:
+        found = cache[key] = shared_rows(train, dataset)
+        if found and found.private:
+            logger.warning(f"DPTrainer: the evaluation set overlaps the training set ({found.description}). Its "
+                           "metrics are computed on private data outside DP-SGD: they are named train_eval_* "
+                           "and kept out of metrics files, the model card and pushes. Evaluate on held-out rows "
+                           "to publish them.")
+        elif found:
+            logger.warning(f"DPTrainer: the evaluation set shares a few rows with the training set "
+                           f"({found.description}: duplicates across splits, or rows equal once truncated?). Its "
+                           "metrics are kept; if those rows were taken from the training data, drop them.")
+    return cache[key]
 
-    def _overlap(self, dataset) -> Overlap | None:
-        cache = self.__dict__.setdefault("_overlap_cache", {})
-        key = (id(self.train_dataset), getattr(self.train_dataset, "_fingerprint", None), id(dataset),
-               getattr(dataset, "_fingerprint", None))
-        if key not in cache:
-            found = cache[key] = shared_rows(self.train_dataset, dataset)
-            if found and found.private:
-                logger.warning(f"DPTrainer: the evaluation set overlaps the training set ({found.description}). Its "
-                               "metrics are computed on private data outside DP-SGD: they are named train_eval_* "
-                               "and kept out of metrics files, the model card and pushes. Evaluate on held-out rows "
-                               "to publish them.")
-            elif found:
-                logger.warning(f"DPTrainer: the evaluation set shares a few rows with the training set "
-                               f"({found.description}: duplicates across splits, or rows equal once truncated?). Its "
-                               "metrics are kept; if those rows were taken from the training data, drop them.")
-        return cache[key]
 
-    def _check_eval_overlap(self) -> None:
-        """At init: warn about every eval set that overlaps the training set; refuse selecting the model by one."""
-        sets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
-        metric = self.args.metric_for_best_model
-        metric = metric if metric is None or metric.startswith("eval_") else f"eval_{metric}"
-        for name, dataset in sets.items():
-            found = self._overlap(dataset)
-            if found and found.private and metric is not None and (name is None or metric.startswith(f"eval_{name}_")):
-                raise DPConfigError(
-                    f"DPTrainer: {'the eval_dataset' if name is None else f'eval_dataset[{name!r}]'} overlaps the "
-                    f"training set ({found.description}), and metric_for_best_model="
-                    f"{self.args.metric_for_best_model!r} (load_best_model_at_end={self.args.load_best_model_at_end}) "
-                    "would choose the released checkpoint, or when to stop, by metrics of private training rows "
-                    "computed outside DP-SGD. Evaluate on held-out rows, or drop load_best_model_at_end / "
-                    "metric_for_best_model (and early stopping).")
+def check_eval_overlap(trainer) -> None:
+    """At init and train(): warn about every eval set that overlaps the training set; refuse selecting the model
+    by one."""
+    sets = trainer.eval_dataset if isinstance(trainer.eval_dataset, dict) else {None: trainer.eval_dataset}
+    args = trainer.args
+    metric = args.metric_for_best_model
+    metric = metric if metric is None or metric.startswith("eval_") else f"eval_{metric}"
+    for name, dataset in sets.items():
+        found = _overlap(trainer, dataset)
+        if found and found.private and metric is not None and (name is None or metric.startswith(f"eval_{name}_")):
+            raise DPConfigError(
+                f"DPTrainer: {'the eval_dataset' if name is None else f'eval_dataset[{name!r}]'} overlaps the "
+                f"training set ({found.description}), and metric_for_best_model="
+                f"{args.metric_for_best_model!r} (load_best_model_at_end={args.load_best_model_at_end}) "
+                "would choose the released checkpoint, or when to stop, by metrics of private training rows "
+                "computed outside DP-SGD. Evaluate on held-out rows, or drop load_best_model_at_end / "
+                "metric_for_best_model (and early stopping).")
 
-    def _metric_prefix(self, dataset, prefix: str) -> str:
-        if isinstance(dataset, str):
-            dataset = self.eval_dataset[dataset]
-        found = self._overlap(dataset)
-        return f"{PRIVATE_PREFIX}{prefix}" if found and found.private else prefix
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if not isinstance(dataset, dict):  # a dict: the Trainer evaluates each entry through this method again
-            metric_key_prefix = self._metric_prefix(dataset, metric_key_prefix)
-        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
-        return super().predict(test_dataset, ignore_keys=ignore_keys,
-                               metric_key_prefix=self._metric_prefix(test_dataset, metric_key_prefix))
+def metric_prefix(trainer, dataset, prefix: str) -> str:
+    """`evaluate` / `predict`'s metric prefix: `train_<prefix>` for a set drawn from the training data (kept out of
+    metrics files, cards and pushes), else `prefix`. `dataset`: a set, or the name of one of the eval sets."""
+    if isinstance(dataset, str):
+        dataset = trainer.eval_dataset[dataset]
+    found = _overlap(trainer, dataset)
+    return f"{PRIVATE_PREFIX}{prefix}" if found and found.private else prefix

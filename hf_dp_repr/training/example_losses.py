@@ -15,12 +15,14 @@ from transformers.utils import ModelOutput
 from ..errors import MissingColumnError
 from ..privacy.grad_samplers import batch_position_ids
 from ..privacy.loss import per_example_loss
-from ..privacy.probe import probe_training_rows
+from ..privacy.row_probe import probe_training_rows
 from ..scope.cached_head import set_probe_modes
 from ..scope.prefix_cache import run_from_states, set_frozen_prefix_modes
 
 
 class DPExampleLossMixin:
+    """`DPTrainer`'s own per-example hooks (no `Trainer` member among them): what a subclass overrides."""
+
     batch_has_labels = True  # False: `example_losses` reads other keys (the probe and input checks then skip labels)
 
     def examples_in_batch(self, inputs: dict) -> int:
@@ -65,6 +67,6 @@ class DPExampleLossMixin:
         return unit_ids
 
     def probe_rows(self, dataset, collate, scope=None) -> set[str]:
-        """The start-of-training probe (`privacy.probe.probe_training_rows`): refuse a model or collator that mixes
+        """The start-of-training probe (`privacy.row_probe.probe_training_rows`): refuse a model or collator that mixes
         examples; returns the trained modules that see several rows per example. Override with `example_losses`."""
         return probe_training_rows(self, dataset, collate, scope)

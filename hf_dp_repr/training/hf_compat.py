@@ -39,7 +39,7 @@ PRIVATE_OVERRIDES = (
     PrivateMember("_load_from_checkpoint", ("self", "resume_from_checkpoint", "model"), "train",
                   "self._load_from_checkpoint(resume_from_checkpoint)",
                   "restore a checkpoint's weights exactly or refuse (transformers warns on renamed keys); runs "
-                  "before the loop, after model_init; training.resume calls it for a finished run", "DPTrainer"),
+                  "before the loop, after model_init; checkpoints.resume calls it for a finished run", "DPTrainer"),
     PrivateMember("_load_best_model", ("self",), "_finalize_training", "self._load_best_model()",
                   "the same exact load, before on_train_end (a callback must not see a lax load)", "DPTrainer"),
     PrivateMember("_save_checkpoint", ("self", "model", "trial"), "_maybe_log_save_evaluate",

@@ -67,60 +67,55 @@ def public_head_inputs(model, head_name: str, dataset, collator, args) -> torch.
     return torch.cat(seen)
 
 
-class DPPreconditioningMixin:
-    """Placed after `DPAveragingMixin` (saves fold the average) and before `DPSavingMixin`."""
+def start_preconditioning(trainer) -> None:
+    """Fit on the public set's head inputs and put the preconditioner in front of the head
+    (`trainer._preconditioned`: the head's path while it is there)."""
+    spec = trainer.args.probe_preconditioning
+    if parse_preconditioning(spec)[0] == "none" or trainer._preconditioned is not None:
+        return
+    check_preconditioning(trainer)
+    (head_name,) = trainer._scopes[-1].head_modules
+    public = trainer.public_train_dataset
+    if hasattr(public, "column_names"):
+        public = trainer._remove_unused_columns(public, description="public preconditioning")
+    features = public_head_inputs(trainer.model, head_name, public, trainer.data_collator, trainer.args)
+    _settle(trainer)
+    install(trainer.model, head_name, fit_preconditioner(features, spec))
+    trainer._preconditioned = head_name
+    logger.info(f"DPTrainer: probe_preconditioning={spec!r} fitted on {len(features)} public rows; the probe "
+                f"trains on {trainer.model.get_submodule(head_name)[0].dims} inputs.")
 
-    _preconditioned: str | None = None  # the head's path while the preconditioner is in front of it
 
-    def _start_preconditioning(self) -> None:
-        """Fit on the public set's head inputs and put the preconditioner in front of the head."""
-        spec = self.args.probe_preconditioning
-        if parse_preconditioning(spec)[0] == "none" or self._preconditioned is not None:
-            return
-        check_preconditioning(self)
-        (head_name,) = self._scopes[-1].head_modules
-        public = self.public_train_dataset
-        if hasattr(public, "column_names"):
-            public = self._remove_unused_columns(public, description="public preconditioning")
-        features = public_head_inputs(self.model, head_name, public, self.data_collator, self.args)
-        self._settle()
-        install(self.model, head_name, fit_preconditioner(features, spec))
-        self._preconditioned = head_name
-        logger.info(f"DPTrainer: probe_preconditioning={spec!r} fitted on {len(features)} public rows; the probe "
-                    f"trains on {self.model.get_submodule(head_name)[0].dims} inputs.")
+def _settle(trainer) -> None:
+    """Sharded: the head's module holds its DTensors again (a forward without backward, e.g. on the public set or
+    an evaluation with reshard_after_forward=False, leaves the gathered weights on the modules)."""
+    if trainer.sharded:
+        reshard(trainer.model)
 
-    def _settle(self) -> None:
-        """Sharded: the head's module holds its DTensors again (a forward without backward, e.g. on the public set or
-        an evaluation with reshard_after_forward=False, leaves the gathered weights on the modules)."""
-        if self.sharded:
-            reshard(self.model)
 
-    @contextlib.contextmanager
-    def _folded(self):
-        """The plain head (preconditioning folded in) for the duration; the exact head on z afterwards."""
-        name = self._preconditioned
-        if name is None:
-            yield
-            return
-        self._settle()
-        head = self.model.get_submodule(name)[1]
-        kept = [p.detach().clone() for p in head.parameters()]  # (sharded: clones of this rank's shards)
-        pre, head = remove(self.model, name)
-        try:
-            yield
-        finally:
-            for p, value in zip(head.parameters(), kept):
-                assign(p, value)
-            head.in_features = head.weight.shape[1]
-            self.model.set_submodule(name, PreconditionedHead(pre, head))
+@contextlib.contextmanager
+def folded_head(trainer):
+    """The plain head (preconditioning folded in) for the duration; the exact head on z afterwards."""
+    name = trainer._preconditioned
+    if name is None:
+        yield
+        return
+    _settle(trainer)
+    head = trainer.model.get_submodule(name)[1]
+    kept = [p.detach().clone() for p in head.parameters()]  # (sharded: clones of this rank's shards)
+    pre, head = remove(trainer.model, name)
+    try:
+        yield
+    finally:
+        for p, value in zip(head.parameters(), kept):
+            assign(p, value)
+        head.in_features = head.weight.shape[1]
+        trainer.model.set_submodule(name, PreconditionedHead(pre, head))
 
-    def finish_preconditioning(self) -> None:
-        """The end of train(): the model's head is plain again, the preconditioning folded into it."""
-        if self._preconditioned is not None:
-            self._settle()
-            remove(self.model, self._preconditioned)
-            self._preconditioned = None
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        with self._folded():
-            super().save_model(output_dir, _internal_call=_internal_call)
+def finish_preconditioning(trainer) -> None:
+    """The end of train(): the model's head is plain again, the preconditioning folded into it."""
+    if trainer._preconditioned is not None:
+        _settle(trainer)
+        remove(trainer.model, trainer._preconditioned)
+        trainer._preconditioned = None

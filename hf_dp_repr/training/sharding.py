@@ -33,12 +33,17 @@ import os
 from dataclasses import dataclass
 
 from ..errors import DPConfigError
-from .argument_fields import DEEPSPEED_REASON
 
 _FIX = ("Fix: fsdp=True with fsdp_config={'fsdp_version': 2} (optionally 'reshard_after_forward' and "
         "'transformer_layer_cls_to_wrap'), launched with a multi-process accelerate config "
         "(recipes/accelerate_configs/cpu_2proc.yaml, multi_gpu_sharded.yaml) or torchrun.")
 _TRUE = ("1", "true", "yes")
+# why DeepSpeed is refused: here, where sharding is decided; arguments.fields refuses the field with it
+DEEPSPEED_REASON = ("DeepSpeed owns the backward and the optimizer step: ZeRO reduces the gradient autograd forms in "
+                    "its own hooks into private partitioned buffers and may skip steps under loss scaling, while "
+                    "DP-SGD forms no unclipped gradient and must release exactly the clipped, noised sum. FSDP2 gives "
+                    "the same memory (ZeRO-3: reshard_after_forward=True, ZeRO-2: False) through public APIs: use "
+                    "fsdp=True, fsdp_config={'fsdp_version': 2}.")
 
 
 def _is_true(value) -> bool:

@@ -7,7 +7,9 @@ What changes against the plain Trainer, and nothing else:
 - loss: the sum of per-example losses (`privacy.loss`), overridable through `per_example_loss`;
 - accounting: `epsilon` in every log, the ledger in every checkpoint and restored by `resume_from_checkpoint`;
 - what trains: each phase's scope (`scope.phases`), on features cached from frozen weights (`trainer.features`).
-The private `Trainer` members it overrides or relies on are listed in `training.hf_compat`.
+The private `Trainer` members it overrides or relies on are listed in `training.hf_compat`. Each `Trainer` member
+it overrides is defined once: here (building the run and training it) or in its base class,
+`trainer_outputs.DPTrainerOutputs` (what leaves or re-enters a run: logs, evaluation, saves, loads, pushes, search).
 
 Example (runs in seconds on a CPU):
     >>> from hf_dp_repr import DPTrainer, DPTrainingArguments
@@ -26,10 +28,12 @@ Example (runs in seconds on a CPU):
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import datasets
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer
 from transformers.utils import logging
 
 from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, UnsupportedError
@@ -49,28 +53,29 @@ from ..scope.phases import phase_scopes
 from ..scope.prefix_cache import STATES_KEY
 from . import TRAINER_LOGGER
 from .accuracy_checks import check_views
-from .argument_checks import check_fresh_model, check_one_run
-from .argument_fields import check_refused_fields, train_dataloader_options
 from .arguments import DPTrainingArguments, check_hub_strategy
-from .averaging import DPAveragingMixin, averaging_note
-from .continual import check_public_phase, finish_record, start_continual
+from .arguments.checks import check_fresh_model, check_one_run
+from .arguments.fields import check_refused_fields, train_dataloader_options
+from .averaging import averaging_note, finish_average, start_average
+from .cached_features import FeatureCaches
+from .checkpoints.output_dir import check_writable
+from .checkpoints.resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
+from .checkpoints.saving import missing_folders, record_spent, start_spent_record
+from .continual.public_phase import check_public_phase, finish_record, start_continual
 from .data_checks import check_labels, check_train_inputs
-from .eval_overlap import DPEvalOverlapMixin
+from .eval_overlap import check_eval_overlap
 from .example_losses import DPExampleLossMixin
-from .features import DPFeatureCacheMixin, FeatureCaches
+from .hp_search.trials import check_not_tuned_on
 from .overrides import check_loss_overrides
 from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
-from .preconditioned_probe import DPPreconditioningMixin, check_preconditioning
-from .report import DPPrivacyReportMixin, announce_plan, announce_spent, follow_log_level
-from .resume import checkpoint_to_resume, finish_without_training, is_finished, prepare_resume
-from .saving import DPSavingMixin
-from .search import DPSearchMixin
+from .preconditioned_probe import check_preconditioning, finish_preconditioning, start_preconditioning
+from .privacy_report import announce_plan, announce_spent, follow_log_level
 from .sharding import check_trainer, shard_for_training, trainer_init
+from .trainer_outputs import DPTrainerOutputs
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
-class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DPSearchMixin, DPFeatureCacheMixin,
-                DPPrivacyReportMixin, DPSavingMixin, DPEvalOverlapMixin, Trainer):
+class DPTrainer(DPExampleLossMixin, DPTrainerOutputs):
     """A `transformers.Trainer` that trains with DP-SGD as configured by `DPTrainingArguments`.
 
     Takes the same arguments as `Trainer`, and `model_card_info` (a `ModelCardInfo`: what the DP model card says
@@ -121,17 +126,25 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
         model = shard_for_training(model, args, logger)  # fsdp, or a model sharded at load (training.sharding)
         self.sharded = is_sharded(model)
         self._set_scopes(model, args)
+        # output_dir is checked writable now, not at the first save after training; the Trainer's `__init__` makes
+        # it, but a refusal before the work starts must leave nothing behind: it is made when training starts.
+        made = missing_folders(args.output_dir) if args.should_save else []
+        if args.should_save:
+            check_writable(args.output_dir)
         with trainer_init(args, self.sharded):
             super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        for folder in made:  # deepest first; only those still empty
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
         check_trainer(self)
         # DP-SGD sums per-example losses itself: the Trainer must not count the batch's items (`hf_compat`)
         self.model_accepts_loss_kwargs = False
         self.model_card_info = ModelCardInfo.from_value(model_card_info)  # written by model_card.write_model_card
         self.run_hooks: list = []  # called as hook(self, "complete" | "failed") when a train() ends (e.g. a search's)
         follow_log_level(self.args)
-        self._check_eval_overlap()
+        check_eval_overlap(self)
         self._plan: PrivacyPlan | None = None
-        self.features = FeatureCaches()  # features cached from frozen weights (training/features.py)
+        self.features = FeatureCaches()  # features cached from frozen weights (training/cached_features.py)
         self._resume_ledger: PrivacyLedger | None = None
         self._several_rows = frozenset()  # modules with several rows per example (the probe of each train())
         self._shifts_labels = is_causal_lm(self.model)
@@ -189,7 +202,7 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
             self._set_scopes(self.model, self.args)
         units = self._unit_rows is not None
         views = check_views(self.args, self.train_dataset)  # augmentation_multiplicity: k fresh views per example
-        self._start_preconditioning()  # probe_preconditioning: fitted on the public set, in front of the head
+        start_preconditioning(self)  # probe_preconditioning: fitted on the public set, in front of the head
         if not self.features.ready:  # (sharded: none; cached parts would run outside the sharded root's forward)
             self.features.prepare(self.model, [] if units or self.sharded or views > 1 else self._scopes, self.args,
                                   self.train_dataset, self._train_dataset_and_collator)
@@ -235,9 +248,9 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
         ledger = None if self._resume_ledger is None else resume_ledger(engine.plan, self._resume_ledger,
                                                                           self.state.global_step)
         self.optimizer = engine.start(self.optimizer, self.model, ledger, several=self._several_rows)
-        engine.after_step.append(self._write_spent)
-        self._write_spent()
-        self._start_average()  # ema_decay: the average of what this optimizer trains (training.averaging)
+        engine.after_step.append(lambda ledger: record_spent(self, ledger))
+        record_spent(self)
+        start_average(self)  # ema_decay: the average of what this optimizer trains (training.averaging)
         if self.is_world_process_zero():  # once, not once per process
             announce_plan(self.ledger, noise_seed=self.args.noise_seed, max_rows_per_unit=self.args.max_rows_per_unit,
                           model=self.model, block_stack=self.args.block_stack, describe_scope=self.describe_scope,
@@ -322,11 +335,11 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
 
     # ---- run, log, save -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        self._check_training_data()  # not the data a search of this trainer tuned on (search.py)
+        check_not_tuned_on(self)  # not the data a search of this trainer tuned on (hp_search)
         self._resume_ledger = None
         self._plan = None
         check_one_run(self.args.world_size)
-        self._check_eval_overlap()  # the eval set or the arguments may have changed since init
+        check_eval_overlap(self)  # the eval set or the arguments may have changed since init
         if self.train_dataset is not None:  # before any work: labels, the model's inputs, rows that are not examples
             self._read_units(self.train_dataset, self.args)  # the dataset or arguments may have changed since init
             check_views(self.args, self.train_dataset)  # augmentation_multiplicity needs the dataset's transform
@@ -344,7 +357,7 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
             self.optimizer = None
             if is_finished(self._resume_ledger):
                 return finish_without_training(self, path, self._resume_ledger)
-        self._start_spent_record(resuming=path is not None)
+        start_spent_record(self, resuming=path is not None)
         # public → private: the non-private phase first (or its record); with public_max_steps=0 the public set
         # only fits probe_preconditioning
         if self.public_train_dataset is not None and self.args.public_max_steps:
@@ -357,11 +370,11 @@ class DPTrainer(DPExampleLossMixin, DPAveragingMixin, DPPreconditioningMixin, DP
             output = super().train(resume_from_checkpoint=path, trial=trial,
                                    ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             state = "complete"
-            self.finish_average()  # ema_decay: the model holds the averaged weights from now on
+            finish_average(self)  # ema_decay: the model holds the averaged weights from now on
         finally:
             if self.engine is not None:
                 self.engine.detach(self.model)
-            self.finish_preconditioning()  # the plain head, the public preconditioning folded into it
+            finish_preconditioning(self)  # the plain head, the public preconditioning folded into it
             for hook in self.run_hooks:
                 hook(self, state)
         output.metrics["epsilon"] = self.epsilon()

@@ -52,7 +52,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from ..errors import DPConfigError, NotPrivatizableError, UnsupportedError
 from ..hub.card import ModelCardInfo
 from ..privacy.batch_rows import RowsProbe, rows_per_example
-from ..privacy.probe import ParameterUses, check_collator_keeps_examples_apart
+from ..privacy.row_probe import ParameterUses, check_collator_keeps_examples_apart
 from ..privacy.sampler import UNIT_KEY
 from ..privacy.sharding import is_sharded
 from ..privacy.units import ROW
@@ -310,7 +310,7 @@ class DPDPOTrainer(dp_trainer_class(DPOTrainer, config_class=DPDPOConfig)):
 
     # ---- the start-of-training probe, for pairs ----------------------------------------------------------------
     def probe_rows(self, dataset, collate, scope=None) -> set[str]:
-        """The probe of `privacy.probe` for pairs: the collator keeps pairs apart; no trained tensor is used
+        """The probe of `privacy.row_probe` for pairs: the collator keeps pairs apart; no trained tensor is used
         outside its module (TRL's fused LM head would be); the rows of every trained module follow the model's
         rows (a pair's two sequences); and the batch loss × pairs is the sum of each pair's loss alone."""
         examples = [dataset[i] for i in range(min(3, len(dataset)))]

@@ -9,7 +9,7 @@ Two modes (`tuning_data`, required: the trainer's train_dataset is held private 
 - "public" or "held_out": the trials train on data that is NOT the private training set the final model
   protects (public data, or individuals held out from it). The search spends none of the final run's budget;
   nothing about the held-out individuals is claimed. The mode is written in the log and in every CSV row. It is
-  checked by dataset fingerprint (`hf_dp_repr.training.tuning_data`): such a search on the training set of an
+  checked by dataset fingerprint (`hf_dp_repr.training.hp_search.tuning_data`): such a search on the training set of an
   earlier DP run of the process, or a DP run of the same trainer on the data its search tuned on, is refused
   (`TuningDataError`).
 - "private": the trials train on the private data, and the search is accounted with Papernot & Steinke (2022,
@@ -43,8 +43,9 @@ from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute
 from transformers.utils import logging
 
 from ..errors import DPConfigError
+from ..training.hp_search.trials import end_search, trial_record
+from ..training.hp_search.tuning_data import check_search_data
 from ..training.plan import plan_run
-from ..training.tuning_data import check_search_data
 from .search_report import announce, write_table
 from .selection_privacy import TrialCount, rdp_curve, search_epsilon, single_run_epsilon
 
@@ -250,7 +251,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
             trainer.objective = trainer.compute_objective(trainer.evaluate())
         if best["value"] is None or sign * trainer.objective > sign * best["value"]:
             best["value"] = trainer.objective
-            best["record"] = trainer._trial_record() if keep_best_model else None
+            best["record"] = trial_record(trainer) if keep_best_model else None
         return trainer.objective
 
     study = optuna.create_study(direction=direction, **study_kwargs)
@@ -258,7 +259,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
         if n_trials:
             study.optimize(objective, n_trials=n_trials)
     except BaseException:
-        trainer._end_search(before, None, (data_key, tuning_data))
+        end_search(trainer, before, None, (data_key, tuning_data))
         raise
     finally:
         args.__dict__.update(copy.deepcopy(search.baseline).__dict__)
@@ -267,7 +268,7 @@ def run_search(trainer, hp_space=None, compute_objective=None, n_trials: int | N
     best_trial = study.best_trial if done else None
     write_table(args.output_dir, search, study, best_trial, total)
     announce(search, total, best_trial, args.target_epsilon)
-    trainer._end_search(before, best["record"] if best_trial is not None else None, (data_key, tuning_data))
+    end_search(trainer, before, best["record"] if best_trial is not None else None, (data_key, tuning_data))
     if best_trial is None:
         logger.warning("hyperparameter_search: no trial completed (K = 0 was drawn, or every trial failed); "
                        "nothing is released.")

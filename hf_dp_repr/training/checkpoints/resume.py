@@ -26,10 +26,10 @@ from transformers import TrainerState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
-from ..errors import ArgumentError, LedgerError
-from ..privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan, write_atomically
+from ...errors import ArgumentError, LedgerError
+from ...privacy.ledger import LEDGER_FILE, PrivacyLedger, PrivacyPlan, write_atomically
+from ..plan import continued_arguments, resume_ledger
 from .output_dir import ARGS_FILE, TRAINER_STATE, last_complete_checkpoint
-from .plan import continued_arguments, resume_ledger
 
 logger = logging.get_logger(__name__)
 

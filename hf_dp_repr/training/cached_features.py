@@ -1,6 +1,6 @@
-"""Features computed once from frozen weights, in `DPTrainer` (`FeatureCaches`; evaluation through a mixin placed
-before `Trainer`): the linear probe's head inputs (`cached_head`) or the hidden states entering the first trained
-block (`prefix_cache`).
+"""Features computed once from frozen weights, in `DPTrainer` (`FeatureCaches`; evaluation on them:
+`cached_eval_inputs`, `head_prediction`, `from_cached_states`): the linear probe's head inputs (`cached_head`) or
+the hidden states entering the first trained block (`prefix_cache`).
 
 They are prepared when the Trainer asks for the training dataloader, i.e. after `model_init` has made the trial's
 model and a checkpoint's weights were loaded, so they are always those of the model that trains (a sweep's trials
@@ -10,16 +10,16 @@ the eval set's features are computed once, and only the head (or the trained blo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.utils.data import DataLoader
 from transformers import default_data_collator
 from transformers.utils import logging
 
 from ..privacy.loss import per_example_loss
-from ..scope.cached_head import HEAD_INPUTS_KEY, head_inputs_collator, head_inputs_for, prepare_cached_head
+from ..scope.cached_head import head_inputs_collator, head_inputs_for, prepare_cached_head
 from ..scope.feature_store import NotCacheable, data_reason_not_to_cache
 from ..scope.prefix_cache import (
-    STATES_KEY,
     StatesCollator,
     StatesDataset,
     prepare_prefix_cache,
@@ -68,43 +68,38 @@ class FeatureCaches:
         return dataset, collator
 
 
-class DPFeatureCacheMixin:
-    """Evaluation and prediction on the cached features of `self.features` (a mixin placed before `Trainer`)."""
+def cached_eval_inputs(trainer, eval_dataset=None) -> tuple | None:
+    """(items, collator) of an evaluation on cached features when training ran on them (the eval set's features are
+    computed once per process and frozen weights), or None: the Trainer's own evaluation dataloader."""
+    dataset = trainer.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+    dataset = trainer.eval_dataset if dataset is None else dataset
+    cache = trainer.features
+    cached = cache.cached_head is not None or cache.prefix_states is not None
+    if not cached or data_reason_not_to_cache(dataset) is not None:
+        return None
+    dataset = trainer._remove_unused_columns(dataset, description="evaluation")
+    try:
+        if cache.cached_head is not None:
+            items = head_inputs_for(trainer.model, cache.cached_head, dataset, trainer.data_collator, trainer.args)
+            return items, head_inputs_collator
+        entry = states_for(trainer.model, cache.prefix_cut, dataset, trainer.data_collator, trainer.args)
+        return StatesDataset(dataset, entry.states), StatesCollator(trainer.data_collator)
+    except NotCacheable as e:
+        logger.warning(f"DPTrainer: evaluation without cached features ({e}).")
+        return None
 
-    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        """When training ran on cached features, evaluation does too (the eval set's features are computed once
-        per process and frozen weights)."""
-        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
-        dataset = self.eval_dataset if dataset is None else dataset
-        cache = self.features
-        cached = cache.cached_head is not None or cache.prefix_states is not None
-        if not cached or data_reason_not_to_cache(dataset) is not None:
-            return super().get_eval_dataloader(eval_dataset)
-        dataset = self._remove_unused_columns(dataset, description="evaluation")
-        try:
-            if cache.cached_head is not None:
-                items = head_inputs_for(self.model, cache.cached_head, dataset, self.data_collator, self.args)
-                collate = head_inputs_collator
-            else:
-                entry = states_for(self.model, cache.prefix_cut, dataset, self.data_collator, self.args)
-                items, collate = StatesDataset(dataset, entry.states), StatesCollator(self.data_collator)
-        except NotCacheable as e:
-            logger.warning(f"DPTrainer: evaluation without cached features ({e}).")
-            return super().get_eval_dataloader(eval_dataset)
-        return self.accelerator.prepare(DataLoader(items, batch_size=self.args.eval_batch_size, collate_fn=collate,
-                                                   num_workers=self.args.dataloader_num_workers))
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        features = inputs.pop(HEAD_INPUTS_KEY, None)
-        if features is not None:  # the probe's head alone, on the cached inputs; the loss the model would report
-            labels = inputs["labels"]
-            with torch.no_grad():
-                logits = self.model.get_submodule(self.features.cached_head)(features)
-                loss = per_example_loss(logits, labels).mean()
-            return loss, None if prediction_loss_only else logits, labels
-        states = inputs.pop(STATES_KEY, None)
-        if states is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        cut = self.features.prefix_cut
-        with run_from_states(self.model, cut.stack_name, cut.first, states):
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+def head_prediction(trainer, features, labels, prediction_loss_only: bool) -> tuple:
+    """`prediction_step` on cached head inputs: the probe's head alone; the loss the model would report."""
+    with torch.no_grad():
+        logits = trainer.model.get_submodule(trainer.features.cached_head)(features)
+        loss = per_example_loss(logits, labels).mean()
+    return loss, None if prediction_loss_only else logits, labels
+
+
+def from_cached_states(trainer, states):
+    """A forward of the trained blocks alone, from the cached states entering them (`states`, or None: the model)."""
+    if states is None:
+        return contextlib.nullcontext()
+    cut = trainer.features.prefix_cut
+    return run_from_states(trainer.model, cut.stack_name, cut.first, states)

@@ -8,7 +8,7 @@ private `train_dataset`. The switch (`DPTrainingArguments.public_switch`):
 - "decelerator": at the first check (every `public_check_steps` steps) where seed 004's decelerator
   D = σ²C²·tr(H)/B² of the planned DP phase is at most `decelerator_threshold` × ḡᵀHḡ, the curvature along the
   mean clipped gradient (tr(H) by Hutchinson at the upper end of its ± 2 standard errors, ḡ and H on a public
-  batch; `hf_dp_repr.training.curvature`): a DP step at its best step size then keeps at least 1/(1 + threshold) of the
+  batch; `continual.curvature`): a DP step at its best step size then keeps at least 1/(1 + threshold) of the
   non-private per-step loss decrease. Or at `public_max_steps`;
 - "plateau": when the loss on `public_eval_dataset` has not improved for `public_plateau_patience` checks, or at
   `public_max_steps`.
@@ -33,7 +33,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
-from ..errors import DPConfigError, LedgerError, UnsupportedError
+from ...errors import DPConfigError, LedgerError, UnsupportedError
 from .curvature import clipped_gradient_terms, decelerator, decelerator_ratio, model_trace, public_batch
 
 logger = logging.get_logger(__name__)

@@ -16,7 +16,7 @@ i.e. when the noise term has become small against the first-order decrease it le
 
 Example:
     >>> import torch
-    >>> from hf_dp_repr.training.curvature import hutchinson_trace
+    >>> from hf_dp_repr.training.continual.curvature import hutchinson_trace
     >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
     >>> trace, stderr = hutchinson_trace(lambda: (w ** 2).sum() + w[0] * w[1], [w], num_probes=8)
     >>> abs(trace - 4) <= 2, stderr < 1  # H = [[2, 1], [1, 2]], tr = 4; each vᵀHv is 2 or 6
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from transformers import TrainerCallback, default_data_collator
 
-from ..errors import ArgumentError, DataError
+from ...errors import ArgumentError, DataError
 
 
 def hutchinson_trace(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], num_probes: int = 16,
@@ -129,7 +129,7 @@ class HessianTraceCallback(TrainerCallback):
 
     Example:
         >>> from transformers import Trainer, TrainingArguments
-        >>> from hf_dp_repr.training.curvature import HessianTraceCallback
+        >>> from hf_dp_repr.training.continual.curvature import HessianTraceCallback
         >>> from hf_dp_repr.data import load_digits_dataset
         >>> from hf_dp_repr.tiny import tiny_vit
         >>> ds = load_digits_dataset()

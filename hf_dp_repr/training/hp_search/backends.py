@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from ..errors import DPConfigError
-from ..registry import Registry
+from ...errors import DPConfigError
+from ...registry import Registry
 
 # name → the backend, or "module:function" until its first use
 SEARCH_BACKENDS = Registry("search backend", DPConfigError)

@@ -5,7 +5,7 @@
 - the optimizer: its full state dict keyed by parameter names, gathered and written by rank 0 (`optimizer.pt`; the
   Trainer's own would hold rank 0's shards only), restored by broadcast from rank 0;
 - resume and `load_best_model_at_end`: rank 0 reads the checkpoint into an unsharded replica through the exact loader
-  (`training.checkpoint`: transformers' key conversions applied, any missing/unexpected/mis-shaped tensor refused),
+  (`checkpoints.weights`: transformers' key conversions applied, any missing/unexpected/mis-shaped tensor refused),
   every rank gets the same verdict, and the shards are filled by broadcast. The ledger and ε are rank-independent
   and restored as in one process.
 """
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-from .. import errors
-from ..privacy.sharding import base_type, full_state_dict, load_full_state_dict
+from ... import errors
+from ...privacy.sharding import base_type, full_state_dict, load_full_state_dict
 
 
 @contextlib.contextmanager
@@ -102,17 +102,17 @@ def load_sharded_weights(model, checkpoint: str) -> None:
 
 
 def _is_peft(model) -> bool:
-    from ..scope.lora import is_peft_model
+    from ...scope.lora import is_peft_model
 
     return is_peft_model(model)
 
 
 def _read_exactly(model, checkpoint: str) -> dict[str, torch.Tensor]:
-    """Rank 0: the checkpoint's tensors under the live model's names, read by `training.checkpoint`'s exact loader
+    """Rank 0: the checkpoint's tensors under the live model's names, read by `checkpoints.weights`'s exact loader
     (into an unsharded replica; for PEFT, the adapter's tensors only)."""
     if _is_peft(model):
         return _read_adapter(model, checkpoint)
-    from .checkpoint import load_checkpoint_weights
+    from .weights import load_checkpoint_weights
 
     config = copy.deepcopy(model.config)
     config.__dict__.pop("distributed_config", None)
@@ -129,7 +129,7 @@ def _read_adapter(model, checkpoint: str) -> dict[str, torch.Tensor]:
     exactly those peft would save now, of the same shapes, or CheckpointMismatchError."""
     from peft.utils import get_peft_model_state_dict
 
-    from .checkpoint import _raise_if_any, read_adapter_weights
+    from .weights import _raise_if_any, read_adapter_weights
 
     adapter, folder, weights = read_adapter_weights(model, checkpoint)
     saved_names = set(get_peft_model_state_dict(model, adapter_name=adapter))

@@ -1,5 +1,5 @@
-"""What `DPTrainer` reports of its privacy: the ledger, ε in every log and the clipping that ran, read from its engine
-(`DPPrivacyReportMixin`, placed before `Trainer`); the DP-SGD plan, logged once at the start of training
+"""What `DPTrainer` reports of its privacy (its ledger, ε in every log and the clipping that ran are read from its
+engine by `DPTrainer` itself): the DP-SGD plan, logged once at the start of training
 (`announce_plan`, on the main process); the library loggers' level following the Trainer's `log_level`.
 
 The plan and the clipping engine are routine INFO lines of the `hf_dp_repr` loggers, shown by the recipes (their
@@ -14,60 +14,12 @@ from transformers.utils import logging
 
 from ..entry_point import warn_if_openmp_spins
 from ..privacy.clipping_modes import clipping_mode
-from ..privacy.engine import DPEngine
 from ..privacy.ledger import PrivacyLedger
 from ..privacy.units import ROW, describe_unit
 from ..scope.blocks import block_stack_name, describe_trainable
 from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
-
-
-class DPPrivacyReportMixin:
-    """`ledger`, `epsilon()`, `clipping_engine` and ε in the logs, from `self.engine` (a `DPEngine`, or None)."""
-
-    engine: DPEngine | None = None
-
-    @property
-    def ledger(self) -> PrivacyLedger | None:
-        """The run's privacy ledger (the engine's): its plan and the steps taken. None before training."""
-        return None if self.engine is None else self.engine.ledger
-
-    @ledger.setter
-    def ledger(self, ledger: PrivacyLedger) -> None:
-        """A finished run's ledger (a checkpoint's, a search's best trial's): what the trainer reports from now on."""
-        engine = DPEngine(ledger.plan, ledger=ledger, log=logger)
-        engine.clipping_engine, self.engine = self.clipping_engine, engine
-
-    @property
-    def clipping_engine(self) -> str | None:
-        """The per-example clipping that ran: "ghost" or "hooks" (same clipping, same guarantee)."""
-        return None if self.engine is None else self.engine.clipping_engine
-
-    def epsilon(self) -> float | None:
-        """ε spent so far (computed by the ledger's accountant, for its neighbouring relation), None before training."""
-        return None if self.ledger is None else self.engine.epsilon()
-
-    def floating_point_ops(self, inputs) -> int:
-        """0: the Trainer's count (6 · parameters · the micro-batch's tokens or pixels) summed over a run would give
-        Σ|B_t|, the sizes of the secret Poisson batches; so a DP run counts none (`trainer_state.json` holds
-        `total_flos: 0`) and its logs carry no `total_flos`."""
-        return 0
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        # The Trainer's `grad_norm` would be the norm of a non-private gradient: never log it; nor a FLO count (above).
-        logs.pop("grad_norm", None)
-        logs.pop("total_flos", None)
-        privacy = {}
-        if self.ledger is not None:
-            privacy["epsilon"] = self.epsilon()
-            if len(self.ledger.plan.phases) > 1:
-                privacy.update({f"epsilon_{name}": eps for name, eps in self.engine.epsilon_by_phase().items()})
-        logged = {**logs, **privacy}
-        super().log(logged, *args, **kwargs)
-        # What the Trainer adds in place (epoch) reaches the caller; ε does not: eval metrics that a hyperparameter
-        # search scores must stay free of it.
-        logs.update({k: v for k, v in logged.items() if k not in privacy})
 
 
 def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model, block_stack, describe_scope,

@@ -20,7 +20,7 @@ The report is evidence computed on the private members, outside DP-SGD: the DP g
 
 Example (in Python; on the command line the same arguments follow `hf-dp-repr audit`):
     >>> import argparse, json, tempfile
-    >>> from hf_dp_repr.audit.cli import add_audit_parser
+    >>> from hf_dp_repr.audit.audit_cli import add_audit_parser
     >>> folder = tempfile.mkdtemp()
     >>> from hf_dp_repr.tiny import tiny_vit; tiny_vit().save_pretrained(folder)
     >>> parser = argparse.ArgumentParser(); _ = add_audit_parser(parser.add_subparsers())

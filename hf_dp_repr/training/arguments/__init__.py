@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..errors import DPConfigError, ScopeError
-from ..privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant, default_neighboring
-from ..privacy.clippers import CLIPPERS
-from ..privacy.clipping_modes import CLIPPING_MODES
-from ..registry import Choices
-from ..scope.groups import parse_groups
-from ..scope.head_init import HEAD_INITS, check_head_init
-from .accuracy_checks import check_accuracy_fields
-from .argument_checks import (
+from ...errors import DPConfigError, ScopeError
+from ...privacy.accountants import ACCOUNTANTS, NEIGHBORING_RELATIONS, check_accountant, default_neighboring
+from ...privacy.clippers import CLIPPERS
+from ...privacy.clipping_modes import CLIPPING_MODES
+from ...registry import Choices
+from ...scope.groups import parse_groups
+from ...scope.head_init import HEAD_INITS, check_head_init
+from ..accuracy_checks import check_accuracy_fields
+from ..continual.public_phase import SWITCHES
+from ..sharding import check_processes, sharding_request
+from .checks import (
     check_one_run,
     check_privacy_target,
     check_privacy_unit,
@@ -35,9 +37,7 @@ from .argument_checks import (
     validate_cache_fields,
     validate_lp_fields,
 )
-from .argument_fields import check_refused_fields
-from .continual import SWITCHES
-from .sharding import check_processes, sharding_request
+from .fields import check_refused_fields
 
 CLIPPING_ENGINES = Choices("auto", registry=CLIPPERS)  # "ghost", "hooks" and any registered later: privacy.clippers
 
@@ -240,7 +240,7 @@ class DPTrainingArguments(TrainingArguments):
                   "10 × the expected batch: the noise's std in every coordinate of the averaged update is at least "
                   "10× the largest norm the clipped gradient can have); refused by default, naming the fixes."},
     )
-    # ---- public → private continual training (DPTrainer(public_train_dataset=...), hf_dp_repr.training.continual) ----
+    # ---- public → private continual training (DPTrainer(public_train_dataset=...), training.continual) ----
     public_switch: str = field(
         default="fixed",
         metadata={"help": "When a run with a public_train_dataset switches from non-private public training to DP-SGD: "

@@ -15,7 +15,7 @@ protects, so the search is charged to no budget. That is checked, by dataset fin
 
 Both errors are `TuningDataError`, raised before any work. Example:
     >>> from datasets import Dataset
-    >>> from hf_dp_repr.training.tuning_data import fingerprint
+    >>> from hf_dp_repr.training.hp_search.tuning_data import fingerprint
     >>> rows = Dataset.from_dict({"x": [1, 2, 3]})
     >>> fingerprint(rows) == fingerprint(rows) != fingerprint(rows.select([0, 1]))
     True
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 
-from ..errors import TuningDataError
+from ...errors import TuningDataError
 
 _TRAINED: set[str] = set()  # fingerprints of the datasets DP runs of this process trained on (outside a search)
 _TRAINED_LATER: list = []  # weak references to other trained datasets: hashed only if a search needs it

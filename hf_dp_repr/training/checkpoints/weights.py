@@ -18,7 +18,7 @@ import os
 import torch
 from torch import nn
 
-from .. import errors
+from ... import errors
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -27,7 +27,7 @@ BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 def load_checkpoint_weights(model: nn.Module, checkpoint: str) -> None:
     """Restore every tensor of `model` from the checkpoint folder `checkpoint`, in place; raise
     `CheckpointMismatchError` naming the missing/unexpected/mis-shaped tensors if it does not fit exactly."""
-    from ..scope.lora import is_peft_model
+    from ...scope.lora import is_peft_model
 
     if is_peft_model(model):
         _load_adapter(model, checkpoint)

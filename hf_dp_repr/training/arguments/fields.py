@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DPConfigError
+from ...errors import DPConfigError
+from ..sharding import DEEPSPEED_REASON
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,6 @@ _SCRIPTS = "read by scripts, not by the Trainer"
 _SPLIT_MODEL = ("DP-SGD clips each example's whole gradient in one process: data parallelism (DDP) and FSDP2 "
                 "sharding (fsdp=True, fsdp_config={'fsdp_version': 2}: each process clips its own examples with the "
                 "gathered weights) are supported")
-DEEPSPEED_REASON = ("DeepSpeed owns the backward and the optimizer step: ZeRO reduces the gradient autograd forms in "
-                    "its own hooks into private partitioned buffers and may skip steps under loss scaling, while "
-                    "DP-SGD forms no unclipped gradient and must release exactly the clipped, noised sum. FSDP2 gives "
-                    "the same memory (ZeRO-3: reshard_after_forward=True, ZeRO-2: False) through public APIs: use "
-                    "fsdp=True, fsdp_config={'fsdp_version': 2}.")
 
 FIELDS: dict[str, Field] = {
     # ---- the run and its schedule ------------------------------------------------------------------------------

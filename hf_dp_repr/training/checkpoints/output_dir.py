@@ -6,7 +6,7 @@ older version's save or by hand, may lack them). Resuming with `resume_from_chec
 complete one and says which it skipped.
 
     >>> import tempfile
-    >>> from hf_dp_repr.training.output_dir import check_writable, last_complete_checkpoint
+    >>> from hf_dp_repr.training.checkpoints.output_dir import check_writable, last_complete_checkpoint
     >>> folder = tempfile.mkdtemp()
     >>> check_writable(folder)  # raises OutputDirError if a file cannot be written there
     >>> last_complete_checkpoint(folder)
@@ -21,7 +21,7 @@ import tempfile
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..errors import OutputDirError
+from ...errors import OutputDirError
 
 STAGING_DIR = ".checkpoint-staging"  # where a checkpoint is written before it is renamed into place
 ARGS_FILE = "training_args.json"  # the run's arguments beside its ledger (training_args.bin is a pickle)
@@ -65,7 +65,7 @@ def checkpoints(folder: str) -> list[str]:
 
 def incomplete_reason(checkpoint: str) -> str | None:
     """Why the checkpoint folder cannot be resumed from (no trainer state, no or an unreadable ledger), or None."""
-    from ..privacy.ledger import LEDGER_FILE, PrivacyLedger
+    from ...privacy.ledger import LEDGER_FILE, PrivacyLedger
 
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE)):
         return f"no {TRAINER_STATE}"
