@@ -249,14 +249,14 @@ def check_names(margs) -> None:
 
 def use_gguf_folder(margs) -> None:
     """A GGUF model's name (`smollm2-135m-instruct`, a `.gguf` path) becomes its dequantised, cached plain folder
-    (`data.gguf_models`), before any work: every loader of the recipe then reads it with `from_pretrained`. The name
-    given stays in `margs.model_given_name` (for the card and the result table)."""
+    (`data.gguf_models`), before any work: every loader of the recipe then reads it with `from_pretrained`; what
+    leaves the machine names it by its shipped name again (`hub.public_names`)."""
     from hf_dp_repr.data import resolve_model_path
     from hf_dp_repr.data.gguf_models import is_gguf_model
 
     name = getattr(margs, "model_name_or_path", None)
     if name and is_gguf_model(name):
-        margs.model_given_name, margs.model_name_or_path = name, resolve_model_path(name)
+        margs.model_name_or_path = resolve_model_path(name)
 
 
 def resume_point(training_args, overwrite: bool) -> str | None:
