@@ -99,8 +99,7 @@ def run_demo(args, techniques: dict) -> dict:
     extra = [f"--{k}={v}" for k, v in techniques.items()] + args.recipe_args
     if args.split == "validation":
         extra += ["--validation_fraction", str(args.validation_fraction)]
-    runs = {"dp_eps1": ["--target_epsilon", "1"], "dp_eps8": ["--target_epsilon", "8"],
-            "non_private": ["--noise_multiplier", "0"]}
+    from hf_dp_repr.scripts.demo import RUNS as runs  # the demo's rows, each with its own arguments
     acc = {name: [] for name in ["public_only", *runs]}
     with tempfile.TemporaryDirectory() as tmp:
         public_dir = args.public_model_dir or f"{tmp}/public"
@@ -173,7 +172,8 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default="recipes/configs/demo_digits.yaml")
     parser.add_argument("--public_model_dir", help="demo: keep the public model here and reuse it across invocations "
                         "(the recipe retrains it when its settings differ); default: a temporary folder")
-    parser.add_argument("--rows", nargs="+", default=["dp_eps1", "dp_eps8", "non_private"], help="demo rows")
+    parser.add_argument("--rows", nargs="+", default=["dp_eps1", "dp_eps8", "non_private"],
+                        help="demo rows (hf_dp_repr.scripts.demo.RUNS)")
     parser.add_argument("--norms", nargs="+", default=["raw", "pca32"], help="proxy: feature maps (raw, pcaK, ...)")
     parser.add_argument("--learning_rates", nargs="+", type=float, default=[1.0, 3.0, 10.0], help="proxy")
     parser.add_argument("--steps", type=int, default=200, help="proxy: full-batch DP-GD steps")

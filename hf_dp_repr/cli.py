@@ -6,6 +6,8 @@
 
     hf-dp-repr analyze --model out/ --dataset digits --out report/
 
+    hf-dp-repr info out/   (a saved run's ε, δ, unit, steps and attack bounds, from its privacy_ledger.json)
+
     hf-dp-repr push out/ --hub_model_id me/name [--private] [--revision BRANCH] [--dry-run]
 
     hf-dp-repr train image --output_dir out/digits --target_epsilon 1 --target_delta 1e-4   (also: lm, text, sft, dpo)
@@ -48,7 +50,7 @@ import math
 import sys
 
 from .entry_point import CommandParser, prepare_entry_point
-from .training.arguments.checks import target_epsilon_problem
+from .privacy.accounting import target_epsilon_problem  # light: `hf-dp-repr privacy` loads no torch
 
 
 def _target_epsilon(text: str) -> float:
@@ -185,6 +187,49 @@ def run_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_info_parser(subparsers) -> None:
+    p = subparsers.add_parser("info", help=COMMANDS["info"][0], description=COMMANDS["info"][0])
+    p.add_argument("run_dir", help="A saved run: DPTrainer's output_dir or one of its checkpoints (the folder that "
+                   "holds privacy_ledger.json).")
+    p.set_defaults(func=run_info)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """Print the run's guarantee as JSON, from its ledger alone (the plan and the steps taken: public quantities;
+    no data is read): ε from the accountant the run used, δ, the unit, the steps, and the attack bounds."""
+    import glob
+    import os
+
+    from .errors import LedgerError
+    from .privacy.ledger import LEDGER_FILE, PrivacyLedger
+
+    path = os.path.join(args.run_dir, LEDGER_FILE)
+    if not os.path.isfile(path):
+        found = sorted(glob.glob(os.path.join(args.run_dir, "checkpoint-*", LEDGER_FILE)))
+        hint = (f"; its checkpoints have one: hf-dp-repr info {os.path.dirname(found[-1])}" if found
+                else ": not the output_dir of a finished DP run")
+        print(f"hf-dp-repr info: error: no {path}{hint}", file=sys.stderr)
+        return 2
+    try:
+        ledger = PrivacyLedger.load(args.run_dir)
+    except LedgerError as err:
+        print(f"hf-dp-repr info: error: {err}", file=sys.stderr)
+        return 1
+    plan, eps = ledger.plan, ledger.epsilon()
+    result = {"run_dir": args.run_dir, "epsilon": eps if math.isfinite(eps) else None, "delta": plan.target_delta,
+              "neighboring": plan.neighboring, "accountant": plan.accountant, "privacy_unit": plan.privacy_unit,
+              "units": plan.dataset_size, "steps": ledger.steps_done, "planned_steps": plan.planned_steps,
+              "phases": [dict(vars(phase)) for phase in plan.phases], "randomness": plan.randomness}
+    if plan.target_epsilon is not None or plan.target_attack_tpr_at_fpr is not None:
+        result["target"] = plan.target_attack_tpr_at_fpr or plan.target_epsilon
+    if math.isfinite(eps):
+        rates = ledger.attack_rates()
+        result["attack_bounds"] = {**rates.to_dict(), "in_words": rates.describe()}
+    result["summary"] = ledger.summary()
+    print(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
+
+
 TRAIN_SCRIPTS = {"image": "image_classification", "lm": "causal_lm", "text": "text_classification",
                  "sft": "sft", "dpo": "dpo"}  # TRL's SFTTrainer / DPOTrainer under DP (the `trl` extra)
 
@@ -197,12 +242,15 @@ def add_train_parser(subparsers) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    return _run_recipe(TRAIN_SCRIPTS[args.task], f"hf-dp-repr train {args.task}", args.recipe_args)
+
+
+def _run_recipe(name: str, prog: str, argv: list[str]) -> int:
+    """The recipes' one runner (scripts.runner; by name: scripts is cli's peer stage): an argument error is one
+    line, exit code 2; `--help` answers at once, DP arguments first."""
     import importlib
 
-    # (by name, as the recipes: scripts is cli's peer stage) an argument error: one line, exit code 2
-    run_command = importlib.import_module("hf_dp_repr.scripts.arguments").run_command
-    recipe = importlib.import_module(f"hf_dp_repr.scripts.{TRAIN_SCRIPTS[args.task]}").main
-    return run_command(recipe, f"hf-dp-repr train {args.task}", args.recipe_args)
+    return importlib.import_module("hf_dp_repr.scripts.runner").run_recipe(name, prog, argv)
 
 
 def add_audit_parser(subparsers) -> None:
@@ -248,16 +296,14 @@ def add_synth_parser(subparsers) -> None:
 
 
 def run_synth(args: argparse.Namespace) -> int:
-    import importlib
-
-    run_command = importlib.import_module("hf_dp_repr.scripts.arguments").run_command  # a typed error: one line
-    return run_command(importlib.import_module("hf_dp_repr.scripts.synth").main, "hf-dp-repr synth",
-                       args.recipe_args)  # by name, as `train` (same rank)
+    return _run_recipe("synth", "hf-dp-repr synth", args.recipe_args)
 
 
 # name: (its line in `hf-dp-repr --help`, "module:function" that adds its parser; imported only when it runs)
 COMMANDS = {
     "privacy": ("ε of a planned DP-SGD run, or the σ that reaches a target ε.", "hf_dp_repr.cli:add_privacy_parser"),
+    "info": ("A saved run's guarantee from its ledger: ε, δ, unit, steps and what they allow a membership attacker.",
+             "hf_dp_repr.cli:add_info_parser"),
     "push": ("Push a finished DP run (its allow-listed files and DP card) to the Hub.",
              "hf_dp_repr.cli:add_push_parser"),
     "train": ("Run a recipe (hf_dp_repr.scripts): DP fine-tuning of an image classifier, a causal LM, a text "

@@ -16,7 +16,7 @@ so the Python quick start, pasted as is, is fast; when torch was loaded first wi
 warns once, on a loaded machine, naming the fix (`warn_if_openmp_spins`, called as the DP optimizer is made).
 
 The commands' argument errors are one line naming the argument and the closest valid one, exit code 2, as
-argparse's (`CommandParser`; a recipe's typed argument errors: `scripts.arguments.run_command`).
+argparse's (`CommandParser`; a recipe's typed argument errors: `scripts.runner.run_recipe`).
 
 A library user's own script can call it first too:
 
@@ -125,13 +125,17 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse, with a one-line error that names the argument and the closest valid one (exit code 2).
+    """argparse, with a one-line error that names the argument and the closest valid one (exit code 2), and no
+    abbreviated options.
 
         >>> p = CommandParser(prog="demo"); _ = p.add_argument("--target_epsilon", type=float)
         >>> p.parse_args(["--traget_epsilon", "3"])
         Traceback (most recent call last):
         SystemExit: 2
     """
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):  # --target_epsilo is a typo, not an option
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {self.explain(message)}\n")

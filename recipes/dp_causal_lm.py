@@ -8,8 +8,7 @@ from hf_dp_repr.entry_point import prepare_entry_point
 
 prepare_entry_point()  # before torch loads: OMP_WAIT_POLICY=PASSIVE, ... (hf_dp_repr/entry_point.py)
 
-from hf_dp_repr.scripts.arguments import run_command  # noqa: E402
-from hf_dp_repr.scripts.causal_lm import main  # noqa: E402
+from hf_dp_repr.scripts.runner import run_recipe  # noqa: E402
 
 if __name__ == "__main__":
-    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2
+    raise SystemExit(run_recipe("causal_lm"))  # one runner: an argument error is one line, exit code 2

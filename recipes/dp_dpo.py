@@ -10,7 +10,7 @@ from hf_dp_repr.entry_point import prepare_entry_point
 
 prepare_entry_point()  # before torch loads: OMP_WAIT_POLICY=PASSIVE, ... (hf_dp_repr/entry_point.py)
 
-from hf_dp_repr.scripts.dpo import main  # noqa: E402
+from hf_dp_repr.scripts.runner import run_recipe  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_recipe("dpo"))  # one runner: an argument error is one line, exit code 2

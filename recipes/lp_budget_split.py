@@ -6,23 +6,13 @@ on the private 70 %, scored on the test split. Logic in `hf_dp_repr.tuning.budge
     python recipes/lp_budget_split.py --output_dir split_out --target_epsilon 1 --fractions 0.1 0.3 0.5 0.7 0.9
 """
 
-import argparse
-
-from hf_dp_repr.entry_point import prepare_entry_point
+from hf_dp_repr.entry_point import CommandParser, prepare_entry_point
 
 prepare_entry_point(tiny_model=True)  # before torch loads; one thread: tiny ViTs (hf_dp_repr/entry_point.py)
 
 
 def main(argv=None):
-    from transformers import ViTForImageClassification
-
-    from hf_dp_repr import DPTrainingArguments
-    from hf_dp_repr.data import load_digits_dataset
-    from hf_dp_repr.scripts.seed000 import pretrain_public, split_off
-    from hf_dp_repr.tiny import tiny_vit
-    from hf_dp_repr.tuning.budget_split import sweep_budget_split, write_budget_split
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="split_out")
     p.add_argument("--target_epsilon", type=float, default=1.0)
     p.add_argument("--target_delta", type=float, default=1e-3)
@@ -32,7 +22,15 @@ def main(argv=None):
     p.add_argument("--num_train_epochs", type=float, default=10)
     p.add_argument("--learning_rate", type=float, default=2e-3)
     p.add_argument("--pretrain_epochs", type=int, default=30)
-    a = p.parse_args(argv)
+    a = p.parse_args(argv)  # before the imports: a mistyped flag is refused at once
+    from transformers import ViTForImageClassification
+
+    from hf_dp_repr import DPTrainingArguments
+    from hf_dp_repr.data import load_digits_dataset
+    from hf_dp_repr.scripts.seed000 import pretrain_public, split_off
+    from hf_dp_repr.tiny import tiny_vit
+    from hf_dp_repr.tuning.budget_split import sweep_budget_split, write_budget_split
+
     digits = load_digits_dataset()
     private, public = split_off(digits["train"], 0.3)
     base = pretrain_public(tiny_vit(), public, f"{a.output_dir}/public_pretrained", epochs=a.pretrain_epochs)
@@ -48,4 +46,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from hf_dp_repr.scripts.runner import run_command
+
+    raise SystemExit(run_command(main))  # one runner: an argument error is one line, exit code 2

@@ -5,9 +5,7 @@ learning rate; writes report.md, results.csv and the figures. Logic in `hf_dp_re
     python recipes/seed000_sweep.py --output_dir seed000_out --epsilons 1 8 --n_trials 4
 """
 
-import argparse
-
-from hf_dp_repr.entry_point import prepare_entry_point
+from hf_dp_repr.entry_point import CommandParser, prepare_entry_point
 
 prepare_entry_point(tiny_model=True)  # before torch loads; one thread: tiny ViTs (hf_dp_repr/entry_point.py)
 
@@ -15,7 +13,7 @@ prepare_entry_point(tiny_model=True)  # before torch loads; one thread: tiny ViT
 def main(argv=None):
     from hf_dp_repr.scripts.seed000 import run_seed000
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("--output_dir", default="seed000_out")
     p.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 8.0])
     p.add_argument("--ks", type=int, nargs="*", default=None, help="numbers of fine-tuned blocks (default 1..L)")
@@ -30,4 +28,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from hf_dp_repr.scripts.runner import run_command
+
+    raise SystemExit(run_command(main))  # one runner: an argument error is one line, exit code 2

@@ -8,6 +8,7 @@ One after the other, in the same processes, each writing under OUT/<name> (not c
   (tests/one_run_user_script.py), which sets no ACCELERATE_USE_CPU;
 - `noise`, `exact`, `lpft`: the image recipe, one SGD step at σ = 1000; one at σ = 0; LP→FT (2 steps, the first on
   the head only) at σ = 0; the global batch is GLOBAL_BATCH whatever the number of processes;
+- `adaptive`: the image recipe, 3 steps of adaptive clipping (σ = 1, σ_b = 2, C from 0.01);
 - `eval`: the text recipe (real MiniLM) with lr = 0, evaluated;
 - `unit.pt`: one σ = 0 step with privacy_unit='user_id' (tests/privacy_unit_ddp_script.py);
 - `logs` (2 processes only): the image recipe at ε = 8 with public pre-training;
@@ -45,6 +46,9 @@ def main(out: Path) -> None:
         "noise": lambda: image_classification.main(image_args(out / "noise", world, SIGMA)),
         "exact": lambda: image_classification.main(image_args(out / "exact", world, 0.0)),
         "lpft": lambda: image_classification.main([*image_args(out / "lpft", world, 0.0, steps=2), "--lp_steps", "1"]),
+        "adaptive": lambda: image_classification.main([
+            *image_args(out / "adaptive", world, 1.0, steps=3), "--adaptive_clipping", "count_noise=2",
+            "--per_sample_max_grad_norm", "0.01"]),
         "eval": lambda: text_classification.main([
             "--output_dir", str(out / "eval"), "--noise_multiplier", "0", "--learning_rate", "0", "--max_steps", "1",
             "--trainable_blocks", "0", "--max_train_samples", "64", "--max_eval_samples", "32", "--max_length", "32",

@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from hf_dp_repr.privacy.adaptive_clipping import AdaptiveClipping  # noqa: E402
 from hf_dp_repr.privacy.clipping_modes import clip_factors  # noqa: E402
 from hf_dp_repr.privacy.engine import DPEngine, EngineOptions  # noqa: E402
 from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine  # noqa: E402
@@ -258,6 +259,47 @@ def check_one_unit():
     return {"diff_norm_over_C": moved(1), "rows_clipped_one_by_one_over_C": moved(2)}
 
 
+# ---- 3c. adaptive clipping: the count summed over the ranks, noised once ------------------------------------------
+def check_adaptive():
+    """3 steps (lr 0, σ_b = 0.5) of adaptive clipping on the sharded GPT-2 and on the unsharded one in this process
+    alone (world_size 1, every row): the same C sequence on every rank (the count of both ranks' rows, its noise
+    drawn once, from the step's count stream of the shared secret) as the single process."""
+    micro_batches = split_batches("gpt2", torch.Generator().manual_seed(6))
+    total = sum(len(y) for _, y in micro_batches)
+
+    def run(world):
+        model = make("gpt2")
+        if world > 1:
+            shard_model(model)
+        plan = PrivacyPlan(accountant="rdp", target_delta=1e-5, per_sample_max_grad_norm=1.0, clipping="flat",
+                           dataset_size=10 * total, poisson_sampling=True, world_size=world, randomness="seeded",
+                           phases=[Phase("train", 0.5, 0.1, 3, total)],
+                           adaptive_clipping=AdaptiveClipping(0.5, 1.0, count_noise=0.5))
+        engine = DPEngine(plan, EngineOptions(clipping_engine="ghost", rank=R if world > 1 else 0,
+                                              micro_batches_per_step=len(micro_batches),
+                                              reduction="fsdp2" if world > 1 else "ddp"),
+                          DPRandomness(noise_seed=7, world_size=world))
+        optimizer = engine.start(torch.optim.SGD(model.parameters(), lr=0.0), model)
+        for _ in range(3):
+            for (x, y), split in zip(micro_batches, SPLIT):
+                engine.enter_phase()
+                lo, hi = my_rows(split, R) if world > 1 else (0, len(y))
+                stand_in = hi == lo
+                xs, ys = rows_of(x, y, *((0, 1) if stand_in else (lo, hi)))
+                with engine.recording(len(ys)):
+                    losses(model, "gpt2", xs, ys).sum().backward()
+                engine.after_backward(stand_in=stand_in)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        engine.detach(model)
+        return list(engine.ledger.clip_norms)
+
+    sharded_norms = run(W)
+    every_rank = [None] * W
+    dist.all_gather_object(every_rank, sharded_norms)
+    return {"ranks": every_rank, "one_process": run(1)}
+
+
 # ---- 4. DPTrainer: fsdp=True, checkpoints, resume, LP→FT, LoRA, a model sharded at load ----------------------
 EMA_DECAY = 0.9
 
@@ -413,7 +455,7 @@ CHECKS = {
     "modes": lambda: {mode: check_exact("gpt2", mode) for mode in ("per_layer", "automatic")},
     "float64": lambda: {kind: check_exact_float64(kind) for kind in ("gpt2", "llama", "vit")},
     "noise": check_noise, "one_example": check_one_example, "one_unit": check_one_unit,
-    "accuracy": check_accuracy_arguments,
+    "accuracy": check_accuracy_arguments, "adaptive": check_adaptive,
 }
 
 

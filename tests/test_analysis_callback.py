@@ -97,3 +97,28 @@ def test_needs_something_to_analyse(tmp_path, digits_ds):
     trainer.add_callback(RepresentationLawCallback(trainer=trainer))
     with pytest.raises(ValueError, match="pass `analysis_dataset=`"):
         trainer.train()
+
+
+def test_tensorboard_receives_per_layer_values_and_rho_at_each_evaluation(tmp_path, digits_ds):
+    """report_to="tensorboard": the event file holds D_l, PR_l per layer and both ρ at train start and at every
+    evaluation step, with the values of representation_law.json."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = make_trainer(tmp_path, digits_ds, report_to="tensorboard")
+    trainer.add_callback(RepresentationLawCallback(trainer=trainer, max_examples=200))
+    trainer.train()
+
+    events = EventAccumulator(str(next(p.parent for p in tmp_path.rglob("events.out.tfevents.*")))).Reload()
+    tags = set(events.Tags()["scalars"])
+    analyses = json.loads((tmp_path / "representation_law.json").read_text())["analyses"]
+    for name in ("fuzziness", "residual"):
+        for layer in range(5):
+            tag = f"train/repr/{name}/layer_{layer:02d}"  # transformers' rewrite_logs: all but eval_* get train/
+            assert tag in tags, " ".join(sorted(tags))
+            written = {e.step: e.value for e in events.Scalars(tag)}
+            assert sorted(written) == [0, 3, 6]  # train start and the two evaluations
+            for a in analyses:
+                assert written[a["step"]] == pytest.approx(a[name][layer], rel=1e-5)  # float32 on disk
+        rho = {e.step: e.value for e in events.Scalars(f"train/repr/{name}/rho")}
+        assert rho[6] == pytest.approx(analyses[-1][f"{name}_law"]["rho"], rel=1e-5)

@@ -261,3 +261,19 @@ def test_knn_errors():
         knn_probe(np.ones((3, 2)), [0, 1, 0], np.ones((1, 3)), [0])
     with pytest.raises(ValueError, match="`k` must be"):
         knn_probe(np.ones((3, 2)), [0, 1, 0], np.ones((1, 2)), [0], k=0)
+
+
+def test_linear_cka_is_one_up_to_rotation_and_scale_and_low_for_unrelated_features():
+    from hf_dp_repr.analysis import linear_cka
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 6))
+    q, _ = np.linalg.qr(rng.normal(size=(6, 6)))
+    assert linear_cka(x, 2.5 * x @ q + 7.0) == pytest.approx(1.0, abs=1e-12)  # rotation, scale and shift
+    assert linear_cka(x, rng.normal(size=(300, 6))) < 0.1
+    # one-dimensional features: CKA is the squared correlation
+    a, b = rng.normal(size=300), rng.normal(size=300)
+    y = a + 0.5 * b
+    assert linear_cka(a[:, None], y[:, None]) == pytest.approx(np.corrcoef(a, y)[0, 1] ** 2, rel=1e-10)
+    with pytest.raises(ValueError, match="same rows"):
+        linear_cka(x, x[:10])

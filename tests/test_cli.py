@@ -103,3 +103,43 @@ def test_privacy_cli_accounts_for_a_full_batch(capsys):
     assert out["neighboring"] == "replace_one"  # the default: sensitivity 2C, the add/remove ε at σ/2
     exact = gaussian_epsilon(1.0, 10, 1e-5)
     assert exact <= eps <= 1.01 * exact
+
+
+# ---- info: a saved run's guarantee from its ledger ------------------------------------------------------------------
+GOLDEN = __import__("pathlib").Path(__file__).resolve().parent / "golden"
+
+
+@pytest.mark.parametrize("golden", ["lp_ft_two_phases", "privacy_unit"])
+def test_info_prints_a_saved_runs_guarantee_from_its_ledger(golden, tmp_path, capsys):
+    """The golden ledgers were written by real runs: ε is the one the run saved (recomputed from the ledger's
+    history by the run's accountant), with δ, the unit, the steps and the ledger's own attack bounds."""
+    import shutil
+
+    from hf_dp_repr.privacy.ledger import PrivacyLedger
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(GOLDEN / f"{golden}.privacy_ledger.json", run / "privacy_ledger.json")
+    saved = json.loads((run / "privacy_ledger.json").read_text())
+    assert main(["info", str(run)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["epsilon"] == pytest.approx(saved["epsilon"], rel=1e-9)
+    assert (info["delta"], info["privacy_unit"], info["units"]) == (saved["target_delta"], saved["privacy_unit"],
+                                                                   saved["dataset_size"])
+    assert info["steps"] == saved["steps_done"] == sum(t for _, _, t in saved["history"])
+    rates = PrivacyLedger.load(str(run)).attack_rates()
+    assert info["attack_bounds"]["tpr_at_fpr"] == {f"{f:g}": t for f, t in rates.tpr_at_fpr.items()}
+    assert "membership test can reach at most" in info["attack_bounds"]["in_words"]
+
+
+def test_info_on_a_folder_without_a_ledger_is_one_line_naming_the_checkpoint(tmp_path, capsys):
+    assert main(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not the output_dir of a finished DP run" in err
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "privacy_ledger.json").write_text("{}")
+    assert main(["info", str(tmp_path)]) == 2
+    assert f"hf-dp-repr info {tmp_path / 'checkpoint-4'}" in capsys.readouterr().err
+    assert main(["info", str(tmp_path / "checkpoint-4")]) == 1  # a corrupted ledger: the ledger's own error
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "corrupted" in err

@@ -39,10 +39,22 @@ def _probe(*argv):
     ["privacy", "--sample-rate", "2", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5"],
     ["push", "--help"],
     ["train", "--help"],
-], ids=["help", "typo", "privacy-epsilon", "privacy-calibrate", "privacy-bad-value", "push-help", "train-help"])
+    ["train", "image", "--help"],  # the recipe's saved usage: it answers at once
+    ["train", "sft", "--help"],
+    ["synth", "--help"],
+], ids=["help", "typo", "privacy-epsilon", "privacy-calibrate", "privacy-bad-value", "push-help", "train-help",
+        "train-image-help", "train-sft-help", "synth-help"])
 def test_help_typos_and_privacy_import_neither_torch_nor_transformers(argv):
     seen, stderr = _probe(*argv)
     assert seen["heavy"] == [], (argv, seen, stderr[-2000:])
+
+
+def test_info_reads_the_ledger_without_torch(tmp_path):
+    import shutil
+
+    shutil.copy(ROOT / "tests" / "golden" / "privacy_unit.privacy_ledger.json", tmp_path / "privacy_ledger.json")
+    seen, stderr = _probe("info", str(tmp_path))
+    assert seen == {"code": 0, "heavy": []}, stderr[-2000:]
 
 
 def test_a_mistyped_command_is_one_line_naming_the_closest(capsys):

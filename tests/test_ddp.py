@@ -103,6 +103,16 @@ def test_linear_probe_then_fine_tune_in_two_processes_matches_one(runs):
     _assert_same_update(one, two, before)
 
 
+def test_adaptive_clipping_in_two_processes_follows_the_single_process_c(runs):
+    """Adaptive clipping (σ = 1, σ_b = 2, same noise_seed): the count is summed over both ranks' examples and noised
+    once (rank 0, the single process's draw), so the two runs follow the same C; the ledger states σ_b and σ_eff."""
+    one, two = (json.loads((d / "adaptive" / "privacy_ledger.json").read_text()) for d in runs)
+    assert len(one["clip_norms"]) == 3 and len(set(one["clip_norms"])) == 3
+    assert two["clip_norms"] == pytest.approx(one["clip_norms"], rel=1e-6)
+    assert two["adaptive_clipping"]["count_noise"] == 2.0
+    assert two["gradient_noise_multipliers"] == pytest.approx([(1.0 - 1 / 16) ** -0.5])
+
+
 def test_two_processes_report_the_single_process_eval_loss(runs):
     """A BERT classifier (the text recipe, real MiniLM) evaluated in 1 and 2 processes, with nothing learnt
     (lr = 0): the same eval loss. transformers' `average_tokens_across_devices` would double it with 2 processes,

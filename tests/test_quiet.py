@@ -35,7 +35,6 @@ def test_a_demo_sized_run_prints_no_noise_but_keeps_warnings_that_ask_for_action
         assert not [m for m in quiet + warned_logs if text in m], text
         assert text not in printed.out + printed.err, text
     assert any("is >= 1/n" in m and "Allowed by allow_large_delta=True" in m for m in loud), loud
-    assert any("bundled accuracy.py" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
 
 def test_plan_and_engine_are_info_lines_shown_by_log_level_info_and_no_deprecation_noise(digits, tmp_path, caplog):

@@ -290,7 +290,7 @@ def test_a_private_search_with_a_privacy_unit_counts_units(digits, tmp_path, mon
 def test_a_search_that_does_not_say_what_it_tunes_on_is_refused_before_any_trial(digits, tmp_path):
     """The default used to be "public": four trials ran on the trainer's private set with one warning, and
     best_trial/'s card stated the trial's ε without the search."""
-    from hf_dp_repr import TuningDataError
+    from hf_dp_repr.errors import TuningDataError
 
     trainer = make_trainer(digits, tmp_path, n=64, max_steps=1)
     with pytest.raises(TuningDataError, match=r"tuning_data is not given.*64 rows.*Fix: tuning_data='private'.*"
@@ -300,7 +300,7 @@ def test_a_search_that_does_not_say_what_it_tunes_on_is_refused_before_any_trial
 
 
 def test_public_tuning_on_the_private_training_set_is_refused(digits, tmp_path):
-    from hf_dp_repr import TuningDataError
+    from hf_dp_repr.errors import TuningDataError
 
     one_step = lambda t: {"max_steps": t.suggest_categorical("max_steps", [1])}  # noqa: E731
     # A DP run on the data, then a search that calls the same data public: refused before any work.

@@ -181,6 +181,16 @@ def test_two_processes_noise_is_sigma_c_per_coordinate_once(two_processes):
 
 
 @pytest.mark.slow
+def test_two_processes_adaptive_clipping_counts_both_ranks_and_noises_once(two_processes):
+    """Adaptive clipping sharded (FSDP2): every rank follows the same C, the 1-process one (its count holds every
+    row; rank 0's rows alone, or a count noised on each rank, would give another C)."""
+    found = two_processes[0]["adaptive"]
+    assert found["ranks"][0] == found["ranks"][1]
+    assert found["ranks"][0] == pytest.approx(found["one_process"], rel=1e-9)
+    assert len(set(found["one_process"])) == 3  # C moved at every step
+
+
+@pytest.mark.slow
 def test_two_processes_dp_trainer_checkpoints_and_resume(two_processes):
     results, out = two_processes
     run = results["trainer"]

@@ -8,7 +8,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "hf_dp_repr"
 # package (those edges must still be acyclic). Stages of equal rank may not import each other.
 RANKS = {
     "hf_dp_repr.errors": 0, "hf_dp_repr.quiet": 0, "hf_dp_repr.tiny": 0, "hf_dp_repr.registry": 0.5,  # (uses errors)
-    "hf_dp_repr.entry_point": 0,
+    "hf_dp_repr.entry_point": 0, "hf_dp_repr.metrics": 0,
     "hf_dp_repr.data": 1, "hf_dp_repr.scope": 2, "hf_dp_repr.privacy": 3, "hf_dp_repr.hub": 4,
     "hf_dp_repr.training": 5, "hf_dp_repr.analysis": 6, "hf_dp_repr.trl": 6, "hf_dp_repr.audit": 7,
     "hf_dp_repr.tuning": 7, "hf_dp_repr.synth": 7,

@@ -5,6 +5,7 @@
 - `fit_law` — ρ, intercept and Pearson r of log(value) against layer (D_l ≈ ρ^l D_0, PR_l ≈ ρ^(l−1) PR_1).
 - `analyze_representations` — D_l and PR_l at every hidden state of a 🤗 model, streamed in O(layers · d²).
 - `RepresentationLawCallback` — the same during `Trainer.train()`, logged as `repr/...` + JSON + PNG.
+- `linear_cka`, `layer_cka` — how far a layer's features moved from a reference model's.
 - `knn_probe`, `extract_features`, `plot_laws`, `plot_umap` — probes and figures.
 
 Example:
@@ -26,6 +27,7 @@ from .law_report import RepresentationReport
 from .plots import plot_laws, plot_umap
 from .residual import ResidualStats, prediction_residual
 from .separation import SeparationStats, separation_fuzziness
+from .similarity import layer_cka, linear_cka
 
 __all__ = [
     "LawFit",
@@ -39,6 +41,8 @@ __all__ = [
     "fuzziness_law",
     "knn_predict",
     "knn_probe",
+    "layer_cka",
+    "linear_cka",
     "plot_laws",
     "plot_umap",
     "prediction_residual",

@@ -60,9 +60,9 @@ class RepresentationLawCallback(TrainerCallback):
     Args:
         analysis_dataset: data to analyse (see `analyze_representations`); default: `trainer.eval_dataset`.
         trainer: the Trainer to log through (or call `attach(trainer)` later).
-        task, pooling, batch_size, max_examples, label_column: passed to `analyze_representations`.
+        task: passed to `analyze_representations`, as are `pooling`, `batch_size`, `max_examples`, `label_column`.
         metric_prefix: prefix of the logged metric names.
-        json_name, plot_name: file names in `args.output_dir`.
+        json_name: the law JSON's file name in `args.output_dir` (`plot_name`: the PNG's).
     """
 
     def __init__(

@@ -89,6 +89,7 @@ def template_values(led: dict, info: dict, scope: str, results: dict | None, law
         accountant_text=_accountant_text(led["accountant"]),
         sigma_text=sigma_text,
         clip_norm=_fmt(led["per_sample_max_grad_norm"]),
+        adaptive_text=_adaptive_text(led),
         clipping=led["clipping"],
         sampling_text=sampling,
         poisson_sampling=led.get("poisson_sampling", True),
@@ -121,6 +122,21 @@ def template_values(led: dict, info: dict, scope: str, results: dict | None, law
         has_results=results is not None,
         has_laws=laws is not None,
     )
+
+
+def _adaptive_text(led: dict) -> str | None:
+    """Adaptive clipping's row: C's start, end and target quantile, and how the count shares σ (None without it)."""
+    spec = led.get("adaptive_clipping")
+    if not spec:
+        return None
+    norms = led.get("clip_norms") or [led["per_sample_max_grad_norm"]]
+    sigma_eff = ", ".join(_fmt(s) for s in led.get("gradient_noise_multipliers", []))
+    per = "example" if led.get("privacy_unit", ROW) == ROW else "unit"
+    return (f"C from {_fmt(led['per_sample_max_grad_norm'])} (initial) to {_fmt(norms[-1])} (final), following the "
+            f"{_fmt(spec['quantile'])} quantile of the per-{per} "
+            f"gradient norms (learning rate {_fmt(spec['learning_rate'])}) from a noisy count (σ_b = "
+            f"{_fmt(spec['count_noise'])}); the gradient's noise multiplier σ_eff = {sigma_eff}, with "
+            "σ⁻² = σ_eff⁻² + (2σ_b)⁻² for the σ above, the one accounted")
 
 
 def _release_claim(led: dict, history: list, neighboring: str, search: dict | None) -> dict:

@@ -1,7 +1,7 @@
 """A local Hub-compatible HTTP server, to try a push without a Hub account (the tests' `hub` fixture uses it):
 what huggingface_hub and transformers need to create, commit to and read repositories, in memory (Ctrl-C stops it):
     python -m hf_dp_repr.hub.local_server --port 8000
-    HF_ENDPOINT=http://127.0.0.1:8000 HF_TOKEN=hf_write_someone hf-dp-repr push out/ --hub_model_id someone/dp-run
+    HF_ENDPOINT=http://127.0.0.1:8000 HF_TOKEN=hf_write_someone hf-dp-repr push out/run --hub_model_id someone/dp-run
 What it speaks, as huggingface.co does (huggingface_hub's hf_api.py, _commit_api.py, file_download.py): `TOKENS`
 (else 401), `whoami-v2`, `repos/create`, `validate-yaml`; per model or dataset repository ("datasets/{id}" in
 `repos`): `preupload` (files "regular"), the NDJSON `commit`, `tree`, `refs`, `branch`, its info, `HEAD`/`GET

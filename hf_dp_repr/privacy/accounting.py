@@ -48,6 +48,20 @@ MAX_SIGMA = 1e6
 RELATIVE_EPSILON_TOLERANCE = 1e-3
 
 
+def target_epsilon_problem(eps: float) -> str | None:
+    """Why `eps` cannot be a target ε (None if it can): NaN, ∞ (no budget: Opacus' calibration would return
+    its upper bracket σ = 10, a chance-level model), or ≤ 0."""
+    if math.isnan(eps):
+        return "target_epsilon is NaN; give a finite ε > 0 (e.g. 8.0), or noise_multiplier=0 for a non-private run."
+    if eps == math.inf:
+        return ("target_epsilon=inf is no privacy budget: no σ is calibrated for it (Opacus would return an arbitrary "
+                "σ = 10 and a chance-level model). For a non-private reference set noise_multiplier=0 instead of "
+                "target_epsilon (clipping only, ε reported as ∞).")
+    if not eps > 0:
+        return f"target_epsilon must be > 0, got {eps}."
+    return None
+
+
 def compute_epsilon(history: History, delta: float, accountant: str = "prv",
                     neighboring: str = "add_remove") -> float:
     """ε spent by a history of DP-SGD phases [(σ, q, steps), ...]; ∞ if any phase had σ = 0."""

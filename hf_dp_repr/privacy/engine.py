@@ -56,7 +56,7 @@ from .sharding import is_sharded, parameter_keys
 from .units import ROW, UnitPoissonBatchSampler
 
 # What the engine takes from a checkpoint's ledger must be its own plan's (the caller checked the whole plan).
-_MECHANICS = ("phases", "per_sample_max_grad_norm", "clipping", "privacy_unit", "world_size")
+_MECHANICS = ("phases", "per_sample_max_grad_norm", "clipping", "privacy_unit", "world_size", "adaptive_clipping")
 
 
 @dataclass(frozen=True)
@@ -184,12 +184,19 @@ class DPEngine:
         self.ledger = PrivacyLedger(self.plan) if ledger is None else ledger
         self.attach(model, several)
         plan, phase = self.plan, self.ledger.phase
+        if plan.adaptive_clipping is not None and self.ledger.steps_done and not self.ledger.has_trajectory:
+            raise LedgerError("DPEngine: the checkpoint's ledger lacks adaptive clipping's C after each step; the run "
+                              "cannot continue its C. Resume from a checkpoint written by this version.")
         self.optimizer = MicroBatchDPOptimizer(
-            optimizer, clipping=plan.clipping, noise_multiplier=phase.noise_multiplier,
-            max_grad_norm=plan.per_sample_max_grad_norm, expected_batch_size=phase.expected_batch_size,
+            optimizer, clipping=plan.clipping,
+            noise_multiplier=plan.gradient_noise_multiplier(self.ledger.phase_index()),
+            max_grad_norm=self.ledger.clip_norm, expected_batch_size=phase.expected_batch_size,
             noise_generator=self._noise_generator, world_size=plan.world_size, rank=self.options.rank,
             secure_mode=self.options.secure_mode, ghost=self.clipper.ghost, reduction=reduction(self.options.reduction),
             whole_units=self.options.whole_units)
+        if plan.adaptive_clipping is not None:  # the count's noise: the run's secret, its own stream per step
+            self.optimizer.adapt_clip_norm(plan.adaptive_clipping,
+                                           lambda: self.randomness.count_noise_generator(self.ledger.steps_done))
         self.optimizer.attach_step_hook(lambda _optimizer: self._after_step())
         self.phase = None
         return self.optimizer
@@ -200,7 +207,8 @@ class DPEngine:
 
     def _after_step(self) -> None:
         """One noisy step computed: accounted, then the hooks (e.g. recorded on disk before anything is logged)."""
-        self.ledger.record_step()
+        adaptive = self.plan.adaptive_clipping is not None
+        self.ledger.record_step(self.optimizer.max_grad_norm if adaptive else None)  # C of the next step
         for hook in self.after_step:
             hook(self.ledger)
 
@@ -211,7 +219,7 @@ class DPEngine:
         if index == self.phase:
             return None
         phase = self.plan.phases[index]
-        self.optimizer.noise_multiplier = phase.noise_multiplier
+        self.optimizer.noise_multiplier = self.plan.gradient_noise_multiplier(index)  # σ_eff with adaptive clipping
         self.optimizer.expected_batch_size = phase.expected_batch_size
         self.phase = index
         return index

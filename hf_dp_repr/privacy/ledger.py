@@ -30,11 +30,14 @@ from dataclasses import asdict, dataclass
 
 from ..errors import LedgerError, PrivacyBudgetExhaustedError
 from .accounting import History, compute_epsilon, merge_history
+from .adaptive_clipping import AdaptiveClipping, gradient_noise_multiplier
 from .attack_rates import AttackRates, attack_rates
 
 LEDGER_FILE = "privacy_ledger.json"
 # Keys of the ledger file computed from the plan and the position; read back only to be checked.
-_DERIVED = ("history", "steps_done", "planned_steps", "epsilon", "epsilon_by_phase", "recomputed_steps")
+_DERIVED = ("history", "steps_done", "planned_steps", "epsilon", "epsilon_by_phase", "recomputed_steps",
+            "gradient_noise_multipliers")
+_STATE = ("clip_norms",)  # the ledger's own state beside the step count (adaptive clipping's C after each step)
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,22 @@ class PrivacyPlan:
     privacy_unit: str = "row"
     # σ calibrated for an attack rate instead of ε ("TPR@FPR", `attack_rates.AttackTarget`); None: not asked.
     target_attack_tpr_at_fpr: str | None = None
+    # Adaptive clipping (`privacy.adaptive_clipping`): C follows a quantile of the norms, from a noisy count that
+    # takes its share of each phase's σ; None: C fixed at per_sample_max_grad_norm.
+    adaptive_clipping: AdaptiveClipping | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "phases", tuple(self.phases))  # a list passed in cannot change the plan later
+        if isinstance(self.adaptive_clipping, dict):  # (from a ledger file)
+            object.__setattr__(self, "adaptive_clipping", AdaptiveClipping(**self.adaptive_clipping))
+
+    def gradient_noise_multiplier(self, index: int) -> float:
+        """The noise multiplier of phase `index`'s gradient: its σ, or σ_eff with adaptive clipping (the count takes
+        the rest of σ; the accountant sees σ)."""
+        sigma = self.phases[index].noise_multiplier
+        if self.adaptive_clipping is None:
+            return sigma
+        return gradient_noise_multiplier(sigma, self.adaptive_clipping.count_noise)
 
     @property
     def planned_steps(self) -> int:
@@ -126,6 +142,8 @@ class PrivacyPlan:
         d["phases"] = [asdict(p) for p in self.phases]
         if self.target_attack_tpr_at_fpr is None:  # written only when asked: other ledger files stay as they were
             del d["target_attack_tpr_at_fpr"]
+        if self.adaptive_clipping is None:
+            del d["adaptive_clipping"]
         return d
 
     @classmethod
@@ -147,6 +165,8 @@ class PrivacyLedger:
     steps_done: int = 0
     # Inclusive ranges (first, last) of steps (numbered 1.. as global_step) computed a second time after a resume.
     recomputed_steps: tuple[tuple[int, int], ...] = ()
+    # Adaptive clipping: C after each step taken (a DP quantity: from C_0 and the noisy counts alone).
+    clip_norms: tuple[float, ...] = ()
 
     def __post_init__(self):
         if not 0 <= self.steps_done <= self.plan.planned_steps:
@@ -156,6 +176,15 @@ class PrivacyLedger:
         if not all(1 <= a <= b <= self.plan.planned_steps for a, b in self.recomputed_steps):
             raise LedgerError(f"PrivacyLedger: recomputed_steps={self.recomputed_steps} are not ranges of the plan's "
                               f"1..{self.plan.planned_steps} steps.")
+        self.clip_norms = tuple(float(c) for c in self.clip_norms)
+        if self.clip_norms and not self.has_trajectory:  # (none: a ledger that only counts steps, e.g. resume's)
+            raise LedgerError(f"PrivacyLedger: {len(self.clip_norms)} clip norms for {self.steps_done} steps "
+                              f"{'with' if self.plan.adaptive_clipping else 'without'} adaptive clipping.")
+
+    @property
+    def has_trajectory(self) -> bool:
+        """With adaptive clipping: C is known after every step taken (what a run continues from)."""
+        return self.plan.adaptive_clipping is not None and len(self.clip_norms) == self.steps_done
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "plan":  # not set yet (copy, unpickling): no recursion
@@ -199,14 +228,25 @@ class PrivacyLedger:
     def expected_batch_size(self) -> int:
         return self.phase.expected_batch_size
 
-    def record_step(self) -> None:
-        """Account for one noisy update; refuses to go past the planned steps (the budget)."""
+    @property
+    def clip_norm(self) -> float:
+        """C of the next step: per_sample_max_grad_norm, or with adaptive clipping C after the last step taken."""
+        return self.clip_norms[-1] if self.clip_norms else self.plan.per_sample_max_grad_norm
+
+    def record_step(self, clip_norm: float | None = None) -> None:
+        """Account for one noisy update; refuses to go past the planned steps (the budget). `clip_norm`: with
+        adaptive clipping, C after this step (from its noisy count)."""
         if self.steps_done >= self.plan.planned_steps:
             raise PrivacyBudgetExhaustedError(
                 f"Privacy budget exhausted: {self.steps_done} of {self.plan.planned_steps} planned DP steps are done. "
                 "Refusing to take another noisy step; plan a longer run (and a new budget) instead."
             )
+        if (clip_norm is None) != (self.plan.adaptive_clipping is None):
+            raise LedgerError("PrivacyLedger.record_step: a clip_norm is recorded with adaptive clipping, and only "
+                              "then.")
         self.steps_done += 1
+        if clip_norm is not None:
+            self.clip_norms += (float(clip_norm),)
 
     def epsilon(self) -> float:
         """ε spent by the steps taken (and by those computed again)."""
@@ -250,6 +290,10 @@ class PrivacyLedger:
         if self.recomputed_steps:  # only after an interrupted run was resumed: other files stay as they were
             d["recomputed_steps"] = [list(r) for r in self.recomputed_steps]
         d["planned_steps"] = self.plan.planned_steps
+        if self.plan.adaptive_clipping is not None:  # σ_eff of each phase's gradient, and C's trajectory
+            d["gradient_noise_multipliers"] = [self.plan.gradient_noise_multiplier(i)
+                                               for i in range(len(self.plan.phases))]
+            d["clip_norms"] = list(self.clip_norms)
         # ε = ∞ (σ = 0) is written as null: bare Infinity is not JSON.
         d["epsilon"] = _finite_or_none(self.epsilon())
         if len(self.plan.phases) > 1:
@@ -273,10 +317,12 @@ class PrivacyLedger:
         try:
             d = json.loads(text)
             history = [(float(s), float(q), int(t)) for s, q, t in d["history"]]
-            plan = PrivacyPlan.from_dict({k: v for k, v in d.items() if k not in _DERIVED})
+            plan = PrivacyPlan.from_dict({k: v for k, v in d.items() if k not in _DERIVED + _STATE})
             recomputed = tuple(tuple(r) for r in d.get("recomputed_steps", ()))
             steps = int(d["steps_done"]) if recomputed else sum(t for _, _, t in history)
-            ledger = cls(plan, steps, recomputed)
+            ledger = cls(plan, steps, recomputed, tuple(d.get("clip_norms", ())))
+            if plan.adaptive_clipping is not None and not ledger.has_trajectory:
+                raise LedgerError(f"adaptive clipping's C is missing for some of its {steps} steps")
             if ledger.history != history:
                 raise LedgerError(f"its history {history} is not the plan's first {ledger.steps_done} steps "
                                   f"{ledger.history}")

@@ -12,6 +12,9 @@ With a unit of privacy other than the row (`privacy.units`), g_i is the sum of t
 a unit cut by a micro-batch boundary is kept summed but unclipped (`_open_unit`) until its last rows arrive. With
 `whole_units=True` (sharded runs, whose sampler never cuts a unit) the ghost engine clips each unit in its
 micro-batch from its norm ||Σ_rows G_r|| (`GhostClippingEngine.squared_norms(groups)`).
+
+With adaptive clipping (`adapt_clip_norm`, `privacy.adaptive_clipping`), each clipped example (unit) also adds
+b − 1/2 to the step's count (b = 1 if its norm is ≤ C); at the step the count is noised once and C updated.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _generate_noise
 
 from ..errors import UnsupportedError
+from .adaptive_clipping import AdaptiveClipping, next_clip_norm, noisy_unclipped_fraction
 from .clipping_modes import clip_factors, clipping_mode
 from .reduction import NoisySum, Reduction, replicated
 from .units import sum_per_unit
@@ -60,6 +66,18 @@ class MicroBatchDPOptimizer(DPOptimizer):
         # The clipped sums before noise, per parameter: kept here, never on the parameters, where callbacks (at
         # on_pre_optimizer_step) and trackers would read them (Opacus keeps them as `p.summed_grad`).
         self._clipped_sums: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.adaptive: AdaptiveClipping | None = None  # set by `adapt_clip_norm`
+        self.count_noise_generator: Callable[[], torch.Generator] | None = None
+        self._count: torch.Tensor | float = 0.0  # Σ (b_i − 1/2) of this step's examples (units) on this process
+
+    def adapt_clip_norm(self, spec: AdaptiveClipping, count_noise_generator: Callable[[], torch.Generator]) -> None:
+        """Adaptive clipping from now on: `spec` (σ_b resolved); `count_noise_generator()`: the current step's
+        count-noise generator (the run's secret, its own stream). C is `max_grad_norm`, updated after each step;
+        `noise_multiplier` must be the gradient's σ_eff (the engine sets both)."""
+        if self.clipping != "flat":
+            raise UnsupportedError(f"MicroBatchDPOptimizer: adaptive clipping follows a quantile of the whole "
+                                   f"gradient's norm; clipping={self.clipping!r} clips otherwise: use 'flat'.")
+        self.adaptive, self.count_noise_generator = spec, count_noise_generator
 
     def accumulate_micro_batch(self, unit_ids: torch.Tensor | None = None, stand_in: bool = False) -> None:
         """Clip the per-sample gradients of the micro-batch just back-propagated, add them to the clipped sum
@@ -110,7 +128,10 @@ class MicroBatchDPOptimizer(DPOptimizer):
         missing = [p for p in self.params if p not in norms]
         if missing:
             raise self._missing_error(missing)
-        factors = self.clip_factors(torch.stack([norms[p] for p in self.params], dim=1).float().clamp(min=0).sqrt())
+        norms = torch.stack([norms[p] for p in self.params], dim=1).float().clamp(min=0).sqrt()
+        factors = self.clip_factors(norms)
+        if not stand_in:  # (a stand-in row is no example: it is not counted)
+            self._count_unclipped(norms)
         if groups is not None:
             factors = factors[groups.to(factors.device)]  # each row: its unit's factor
         if stand_in:
@@ -137,10 +158,32 @@ class MicroBatchDPOptimizer(DPOptimizer):
         default: the micro-batch's per-sample gradients) and add them to the clipped sum."""
         if grads is None:
             grads = [g.reshape(len(g), -1).float() for g in self.grad_samples]
-        factors = self.clip_factors(torch.stack([g.norm(2, dim=1) for g in grads], dim=1))
+        norms = torch.stack([g.norm(2, dim=1) for g in grads], dim=1)
+        factors = self.clip_factors(norms)
+        self._count_unclipped(norms)
         for j, (p, g) in enumerate(zip(self.params, grads)):
             clipped = (factors[:, j] @ g).view(p.shape)
             self._add_clipped(p, clipped)
+
+    def _count_unclipped(self, norms: torch.Tensor) -> None:
+        """Adaptive clipping: add Σ (b_i − 1/2) of these examples' (units') norms (rows of `norms`, per tensor)."""
+        if self.adaptive is not None:
+            below = (norms.norm(2, dim=1) <= self.max_grad_norm).to(torch.float64)
+            self._count = self._count + (below - 0.5).sum()
+
+    def _noisy_count(self) -> float:
+        """The step's count Σ (b_i − 1/2) summed over the processes, plus N(0, σ_b²) once: rank 0 adds it to its own
+        count before the sum (as the gradient's noise; the same value on every rank)."""
+        device = self.params[0].device
+        count = torch.as_tensor(self._count, dtype=torch.float64).reshape(1).cpu()
+        self._count = 0.0
+        if self.rank == 0 and self.adaptive.count_noise > 0:
+            count = count + _generate_noise(std=self.adaptive.count_noise, reference=count,
+                                            generator=self.count_noise_generator(), secure_mode=self.secure_mode)
+        if self.world_size > 1:
+            count = count.to(device)
+            dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        return float(count.item())
 
     def _add_clipped(self, p: torch.nn.Parameter, clipped: torch.Tensor) -> None:
         held = self._clipped_sums.get(p)
@@ -182,6 +225,7 @@ class MicroBatchDPOptimizer(DPOptimizer):
         """As Opacus' (which drops its `summed_grad`): the gradients and the clipped sums so far."""
         super().zero_grad(set_to_none)
         self._clipped_sums = {}
+        self._count = 0.0
 
     def pre_step(self, closure=None) -> bool:
         """update = the reduction of the clipped sums (default "ddp": Σ clipped + N(0, σ²C²) on rank 0, summed over
@@ -199,6 +243,9 @@ class MicroBatchDPOptimizer(DPOptimizer):
             secure_mode=self.secure_mode, rank=self.rank, world_size=self.world_size))
         for p, grad in zip(self.params, grads):
             p.grad = grad.to(p.dtype)
+        if self.adaptive is not None:  # after the noise (σ_eff · this step's C): C of the next step
+            fraction = noisy_unclipped_fraction(self._noisy_count(), self.expected_batch_size)
+            self.max_grad_norm = next_clip_norm(self.max_grad_norm, fraction, self.adaptive)
         if self.step_hook:
             self.step_hook(self)
         return True

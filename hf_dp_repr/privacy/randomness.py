@@ -32,6 +32,7 @@ import torch.distributed as dist
 # SeedSequence keys [..., step] and [..., step, 0] give the same state (trailing zero words do not change it).
 _NOISE, _SAMPLING, _SHARD_NOISE = 1, 2, 3
 _CANARIES = 4  # the secrets of an exposure audit's canaries (hf_dp_repr.audit.exposure)
+_COUNT_NOISE = 5  # adaptive clipping: the noise of each step's count (`privacy.adaptive_clipping`)
 
 
 class DPRandomness:
@@ -62,6 +63,12 @@ class DPRandomness:
         key = self._key(_NOISE, step) if shard is None else self._key(_SHARD_NOISE, step, shard)
         seed = int(key.generate_state(1, np.uint64)[0])
         return torch.Generator(device=device).manual_seed(seed)
+
+    def count_noise_generator(self, step: int) -> torch.Generator:
+        """A CPU generator for the noise of step `step`'s adaptive-clipping count: its own stream, so it never
+        repeats a draw of the step's gradient noise (a generator of that stream made again would)."""
+        seed = int(self._key(_COUNT_NOISE, step).generate_state(1, np.uint64)[0])
+        return torch.Generator().manual_seed(seed)
 
     def sampling_seed(self) -> int:
         """A 128-bit seed for the batch sampler, which keys its draws on it and the epoch."""

@@ -1,7 +1,8 @@
 """The recipes' code, importable and tested (as TRL's `trl.scripts`): `recipes/*.py` and `hf-dp-repr train
 {image,lm,text}` call `main()` of `image_classification`, `causal_lm` and `text_classification`.
 
-Shared parts: `arguments` (script / data / public pre-training arguments, the `--config` parser), `utils` (data
+Shared parts: `runner` (the one way into every recipe: one-line refusals, `--help` at once), `usage` (the
+recipes' `--help`), `arguments` (script / data / public pre-training arguments, the `--config` parser), `utils` (data
 loading, metrics, public pre-training, the start and end of a run), `checks` (what is refused before any work),
 `report` (what is shown during and after a run).
 

@@ -20,7 +20,9 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_dp_repr.entry_point import did_you_mean, option_strings
-from hf_dp_repr.errors import ArgumentError, DataError, ModelFileError, RecipeArgumentError
+from hf_dp_repr.errors import RecipeArgumentError
+from hf_dp_repr.scripts.runner import PROG
+from hf_dp_repr.scripts.usage import usage_text
 
 
 # ---- arguments the recipes share -------------------------------------------------------------------------
@@ -110,14 +112,17 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
     """Parse `argv` (default: sys.argv[1:]) into `dataclass_types` with HfArgumentParser.
 
     `--config file.yaml` (a flat mapping of argument names to values) is expanded in place, before the other
-    command-line arguments, so anything given on the command line overrides the file. An unknown option is
-    refused (RecipeArgumentError, naming the closest valid one) before the arguments are checked.
+    command-line arguments, so anything given on the command line overrides the file. An unknown option, or an
+    abbreviated one, is refused (RecipeArgumentError, naming the closest valid one) before the arguments are
+    checked. `-h` / `--help` print the usage with the DP arguments first; `--help-all` with every Trainer argument's
+    help.
     """
     config, rest = expand_argv(argv)
-    parser = HfArgumentParser(dataclass_types)
-    if "-h" in rest or "--help" in rest:
-        parser.print_help()
+    prog = PROG.get() or os.path.basename(sys.argv[0])
+    if {"-h", "--help", "--help-all"} & set(rest):  # DP arguments first (scripts/usage.py)
+        print(usage_text(dataclass_types, prog, full="--help-all" in rest), end="")
         raise SystemExit(0)
+    parser = HfArgumentParser(dataclass_types, prog=prog, allow_abbrev=False)  # --target_epsilo: refused
     unknown = [a.split("=", 1)[0] for a in parser.parse_known_args(rest)[1] if a.startswith("-")]
     if unknown:  # before the dataclasses' own checks, which would complain about what the typo left unset
         valid = option_strings(parser)
@@ -127,20 +132,6 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
         if hasattr(obj, "config"):
             obj.config = config
     return out
-
-
-def run_command(main, prog: str | None = None, argv: list[str] | None = None) -> int:
-    """Run a recipe's `main(argv)` as a command: what it refuses before any work is one line on stderr, with exit
-    code 2 for an argument (`ArgumentError`, as argparse's own errors), 1 for data or a model that cannot be found
-    or read (`DataError`, `ModelFileError`); every other error keeps its traceback."""
-    prog = prog or os.path.basename(sys.argv[0])
-    try:
-        main(argv)
-    except (ArgumentError, DataError, ModelFileError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ArgumentError) else 1
-    return 0
-
 
 
 def expand_argv(argv: list[str] | None = None) -> tuple[str | None, list[str]]:

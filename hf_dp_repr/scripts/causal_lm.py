@@ -50,7 +50,7 @@ from hf_dp_repr.data.tokenizer import train_tokenizer
 from hf_dp_repr.data.user_data import check_column
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
-from hf_dp_repr.scripts import checks, recipe_report
+from hf_dp_repr.scripts import checks, recipe_report, repr_compare
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import AnalysisArguments, PublicPretrainingArguments, ScriptArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments, check_privacy_unit
@@ -60,7 +60,7 @@ logger = logging.getLogger("hf_dp_repr.recipes.lm")
 
 
 @dataclass
-class LMArguments(AnalysisArguments, PublicPretrainingArguments, ScriptArguments):
+class LMArguments(repr_compare.ComparisonArguments, AnalysisArguments, PublicPretrainingArguments, ScriptArguments):
     """Model and data of the causal-LM recipe (the shared fields: `hf_dp_repr.scripts.arguments`)."""
 
     model_name_or_path: str = field(default="tiny_gpt2", metadata={
@@ -88,6 +88,7 @@ ARGUMENT_TYPES = (LMArguments, DPTrainingArguments)
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (perplexity, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
+    repr_compare.check_arguments(margs, targs)
     by_document = document_level(targs, margs.given_options)
     name = margs.model_name_or_path
     public_fraction = margs.resolved_public_fraction(ru.is_tiny(name))
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     plan = checks.check_before_work(model, blocks["private"], targs)  # before any work, before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
 
+    public_path = name  # the weights before any private data: a Hub name, or the public pre-training's folder
     if public_docs is not None:
         save_dir = margs.public_model_dir or os.path.join(targs.output_dir, "public_pretrained")
         signature = dict(model=name, dataset=ru.dataset_name(margs) or margs.train_file,
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         path = ru.pretrain_on_public(model, blocks["public"], save_dir=save_dir, training_args=targs,
                                      epochs=margs.public_epochs, learning_rate=margs.public_learning_rate,
                                      batch_size=margs.public_batch_size, signature=signature, log=logger.info)
-        model = type(model).from_pretrained(path)
+        model, public_path = type(model).from_pretrained(path), path
 
     callbacks = []
     if margs.analyze_representations:
@@ -145,8 +147,25 @@ def main(argv: list[str] | None = None) -> dict:
                         processing_class=tokenizer, callbacks=callbacks,
                         model_card_info=card_info)
     result = ru.train(trainer, margs.overwrite_output_dir)
-    return ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
-                         extra_rows=lambda t: _sample(t, margs))
+    metrics = ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
+                            extra_rows=lambda t: _sample(t, margs))
+    if margs.compare_representations and trainer.is_world_process_zero():
+        _compare(trainer, margs, public_path, blocks["eval"])
+    return metrics
+
+
+def _compare(trainer, margs: LMArguments, public_path: str, evals) -> dict:
+    """PR_l by layer of the public model, the DP model and the non-private reference on the eval blocks."""
+    from transformers import AutoModelForCausalLM
+
+    models = {"public (before private data)": lambda: AutoModelForCausalLM.from_pretrained(public_path),
+              f"DP (ε = {trainer.epsilon():.3g})": lambda: trainer.model}
+    if margs.reference_model_dir:
+        models[repr_compare.reference_label(margs.reference_model_dir)] = (
+            lambda: AutoModelForCausalLM.from_pretrained(margs.reference_model_dir))
+    return repr_compare.compare(models, evals.select_columns(["input_ids"]), trainer.args.output_dir,
+                                task="causal-lm", max_examples=margs.comparison_max_examples,
+                                title=f"{margs.model_name_or_path} on {margs.dataset_name}, held-out blocks")
 
 
 def document_level(targs: DPTrainingArguments, given: set[str]) -> bool:
@@ -263,6 +282,6 @@ def _load_model(name, tokenizer, block_size, seed):
 
 
 if __name__ == "__main__":
-    from .arguments import run_command
+    from .runner import run_recipe
 
-    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2
+    raise SystemExit(run_recipe("causal_lm"))  # as recipes/*.py

@@ -50,6 +50,7 @@ from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.data.user_data import check_column, encode_labels
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.metrics import accuracy_metrics
 from hf_dp_repr.scope.preconditioning import parse_preconditioning
 from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     # probe_preconditioning's statistics come from the public images (no public phase: public_max_steps stays 0)
     stats_source = public if parse_preconditioning(targs.probe_preconditioning)[0] != "none" else None
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
-                        data_collator=collate, compute_metrics=ru.accuracy_metrics(), callbacks=callbacks,
+                        data_collator=collate, compute_metrics=accuracy_metrics(), callbacks=callbacks,
                         processing_class=processor, model_card_info=card_info,  # saved with the model
                         public_train_dataset=stats_source)
     result = ru.train(trainer, margs.overwrite_output_dir)
@@ -277,6 +278,6 @@ def _load_model(name, num_labels, id2label, train, image_col, seed):
 
 
 if __name__ == "__main__":
-    from .arguments import run_command
+    from .runner import run_recipe
 
-    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2
+    raise SystemExit(run_recipe("image_classification"))  # as recipes/*.py

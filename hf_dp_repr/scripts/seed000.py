@@ -57,10 +57,10 @@ def run_seed000(output_dir: str, epsilons=(1.0, 8.0), ks=None, n_trials: int = 4
 
     from ..analysis import analyze_representations
     from ..data import load_digits_dataset
+    from ..metrics import accuracy_metrics
     from ..tiny import tiny_vit
     from ..training.arguments import DPTrainingArguments
     from ..training.trainer import DPTrainer
-    from ..tuning.budget_split import accuracy
 
     os.makedirs(output_dir, exist_ok=True)
     digits = load_digits_dataset()
@@ -80,7 +80,7 @@ def run_seed000(output_dir: str, epsilons=(1.0, 8.0), ks=None, n_trials: int = 4
             args = DPTrainingArguments(output_dir=os.path.join(output_dir, f"eps{eps:g}_k{k}_search"),
                                        target_epsilon=eps, trainable_blocks=k, **common)
             search = DPTrainer(model_init=load, args=args, train_dataset=tune_train, eval_dataset=tune_eval,
-                               compute_metrics=accuracy)
+                               compute_metrics=accuracy_metrics())
             best = search.hyperparameter_search(hp_space=hp_space or seed000_space, n_trials=n_trials,
                                                 direction="maximize",
                                                 tuning_data="public", keep_best_model=False,
@@ -91,7 +91,7 @@ def run_seed000(output_dir: str, epsilons=(1.0, 8.0), ks=None, n_trials: int = 4
                 run_args = DPTrainingArguments(output_dir=os.path.join(output_dir, f"eps{eps:g}_k{k}_{kind}"),
                                                target_epsilon=eps, trainable_blocks=k, **common, **params)
                 trainer = DPTrainer(model=load(), args=run_args, train_dataset=private, eval_dataset=digits["test"],
-                                    compute_metrics=accuracy)
+                                    compute_metrics=accuracy_metrics())
                 trainer.train()
                 acc = trainer.evaluate()["eval_accuracy"]
                 report = analyze_representations(trainer.model, digits["test"], progress=False)

@@ -97,4 +97,6 @@ def _plot(records: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from .runner import run_recipe
+
+    raise SystemExit(run_recipe("seed004_continual"))  # as recipes/*.py

@@ -37,6 +37,7 @@ from hf_dp_repr.data.gguf_models import description
 from hf_dp_repr.data.user_data import warn_row_level_users
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.scripts import repr_compare
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import ScriptArguments
 from hf_dp_repr.trl.sft import DPSFTConfig, DPSFTTrainer
@@ -47,7 +48,7 @@ USER_ID = "user_id"
 
 
 @dataclass
-class SFTArguments(ScriptArguments):
+class SFTArguments(repr_compare.ComparisonArguments, ScriptArguments):
     """Model, data and LoRA of the SFT recipe."""
 
     BUILT_IN_DATASETS = (STDLIB_CHATS,)  # built offline by this recipe, not looked up on the Hub (check_names)
@@ -90,6 +91,10 @@ def lora_config(margs):
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (eval loss, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
+    repr_compare.check_arguments(margs, targs)
+    if margs.compare_representations and not margs.use_lora:
+        raise RecipeArgumentError("--compare_representations needs --use_lora true: without adapters the recipe keeps "
+                                  "no copy of the base weights to compare with (compare with `hf-dp-repr analyze`).")
     if "privacy_unit" not in margs.given_options and ru.dataset_name(margs) == STDLIB_CHATS:
         targs.privacy_unit = USER_ID  # user-level privacy by default on the built-in data
     train, evaluation = load_chats(margs, targs.seed)
@@ -112,7 +117,47 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = DPSFTTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)
     result = ru.train(trainer, margs.overwrite_output_dir)
-    return ru.finish_run(trainer, result, margs, push=push, extra_rows=lambda t: answer(t, margs))
+    metrics = ru.finish_run(trainer, result, margs, push=push, extra_rows=lambda t: answer(t, margs))
+    if margs.compare_representations and trainer.is_world_process_zero() and trainer.eval_dataset is not None:
+        _compare(trainer, margs)
+    return metrics
+
+
+def _compare(trainer, margs: SFTArguments) -> dict:
+    """Next-token PR_l by layer of the base model (public), the DP model and the non-private reference, on the
+    held-out conversations (every token: the chat template's and the user's too)."""
+    out = trainer.args.output_dir
+    models = {"public (base model)": lambda: _base_of(out),
+              f"DP (ε = {trainer.epsilon():.3g})": lambda: trainer.model}
+    if margs.reference_model_dir:
+        models[repr_compare.reference_label(margs.reference_model_dir)] = (
+            lambda: load_saved(margs.reference_model_dir))
+    return repr_compare.compare(models, trainer.eval_dataset.select_columns(["input_ids"]), out, task="causal-lm",
+                                max_examples=margs.comparison_max_examples,
+                                title=f"{margs.model_name_or_path} on {margs.dataset_name}, held-out conversations")
+
+
+def _base_of(out: str):
+    """The weights before any private data: the adapters' base model (a name, or a folder relative to `out`)."""
+    from peft import PeftConfig
+    from transformers import AutoModelForCausalLM
+
+    from hf_dp_repr.data import resolve_model_path
+
+    base = PeftConfig.from_pretrained(out).base_model_name_or_path  # saved as a name, or relative to out
+    return AutoModelForCausalLM.from_pretrained(os.path.join(out, base) if os.path.isdir(os.path.join(out, base))
+                                                else resolve_model_path(base))  # (a GGUF model: its cached folder)
+
+
+def load_saved(out: str):
+    """A saved run of this recipe: its base model with its LoRA adapters, or its full weights."""
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.exists(os.path.join(out, "adapter_config.json")):
+        return AutoModelForCausalLM.from_pretrained(out)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_base_of(out), out)
 
 
 def load_chats(margs: SFTArguments, seed: int = 42):
@@ -173,19 +218,10 @@ def answer(trainer, margs: SFTArguments) -> dict:
     if not margs.sample_question or margs.sample_max_new_tokens < 1 or not trainer.is_world_process_zero():
         return {}
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out = trainer.args.output_dir
-    if margs.use_lora:
-        from peft import PeftConfig, PeftModel
-
-        from hf_dp_repr.data import resolve_model_path
-
-        base = PeftConfig.from_pretrained(out).base_model_name_or_path  # saved as a name, or relative to out
-        base = os.path.join(out, base) if os.path.isdir(os.path.join(out, base)) else resolve_model_path(base)
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(out)
+    model = load_saved(out)
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok.apply_chat_template([{"role": "user", "content": margs.sample_question}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)

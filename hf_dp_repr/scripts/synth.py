@@ -186,4 +186,6 @@ def _tokenizer(margs: SynthArguments, public):
 
 
 if __name__ == "__main__":
-    main()
+    from .runner import run_recipe
+
+    raise SystemExit(run_recipe("synth"))  # as recipes/*.py

@@ -41,6 +41,7 @@ from hf_dp_repr.data import MINILM, STDLIB_TOPICS, load_embedded, resolve_model_
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.data.user_data import check_column, encode_labels
 from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.metrics import accuracy_metrics
 from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import ClassificationArguments
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals,
                         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
-                        compute_metrics=ru.accuracy_metrics(),
+                        compute_metrics=accuracy_metrics(),
                         model_card_info=card_info)
     result = ru.train(trainer, margs.overwrite_output_dir)
     split = ru.split_record("text", source, 0.0, targs.seed, len(train), len(evals))  # no public part of the data
@@ -157,6 +158,6 @@ def load_text_data(margs: TextArguments, seed: int):
 
 
 if __name__ == "__main__":
-    from .arguments import run_command
+    from .runner import run_recipe
 
-    raise SystemExit(run_command(main))  # an argument error: one line, exit code 2
+    raise SystemExit(run_recipe("text_classification"))  # as recipes/*.py

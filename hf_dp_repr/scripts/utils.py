@@ -1,5 +1,5 @@
 """What the recipes share: argument parsing with `--config file.yaml`, models by Hub name / local path / tiny
-config name, offline-safe metrics, the public → private split with non-private public pre-training, and the end
+config name, the public → private split with non-private public pre-training, and the end
 of a run (evaluate, save, model card, push, result table). What is checked before any work: `recipe_checks.py`;
 what is shown during and after a run: `recipe_report.py`.
 
@@ -39,22 +39,6 @@ RUN_INFO_FILE = "run_info.json"
 # ---- models and metrics ----------------------------------------------------------------------------------
 def is_tiny(name_or_path: str) -> bool:
     return name_or_path in TINY_MODELS
-
-
-def load_metric(name: str = "accuracy"):
-    """`evaluate.load(name)`; without Hub access, the same metric from the script in `recipes/metrics/`."""
-    import evaluate
-
-    try:
-        return evaluate.load(name)
-    except Exception as err:  # no network: FileNotFoundError / ConnectionError, depending on the setup
-        local = HERE / "metrics" / f"{name}.py"
-        if not local.exists():
-            raise
-        # the bundled script computes the same metric: nothing for the user to do, so not a warning
-        logger.info("evaluate.load(%r) failed (%s: no Hub access?); using the bundled %s", name,
-                    type(err).__name__, local.name)
-        return evaluate.load(str(local))
 
 
 # ---- data -------------------------------------------------------------------------------------------------------
@@ -100,18 +84,6 @@ def pick_splits(raw, margs, seed: int):
     if note:
         logger.warning("data: %s", note)
     return train, evals, note
-
-
-def accuracy_metrics():
-    """`compute_metrics` for a classifier's Trainer: accuracy through `evaluate` (offline-safe)."""
-    import numpy as np
-
-    accuracy = load_metric("accuracy")
-
-    def compute_metrics(pred):
-        return accuracy.compute(predictions=np.argmax(pred.predictions, axis=-1), references=pred.label_ids)
-
-    return compute_metrics
 
 
 # ---- public → private --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import DPConfigError
 from ..privacy.accounting import calibrate_for_attack, calibrate_last_phase, calibrate_noise_multiplier
+from ..privacy.adaptive_clipping import AdaptiveClipping, gradient_noise_multiplier
 from ..privacy.attack_rates import AttackTarget
 from ..privacy.engine import EngineOptions
 from ..privacy.ledger import Phase, PrivacyLedger, PrivacyPlan
@@ -29,7 +30,7 @@ from .arguments import DPTrainingArguments
 # Plan fields that must match between a checkpoint and the resumed run, or the accounting would be wrong.
 RESUME_INVARIANTS = ("accountant", "target_delta", "target_attack_tpr_at_fpr", "phases", "per_sample_max_grad_norm",
                      "clipping", "dataset_size",
-                     "world_size", "neighboring", "randomness", "privacy_unit")
+                     "world_size", "neighboring", "randomness", "privacy_unit", "adaptive_clipping")
 
 
 def logical_batch(args: DPTrainingArguments, per_device: int, n: int) -> int:
@@ -85,12 +86,19 @@ def plan_run(args: DPTrainingArguments, dataset_size: int) -> PrivacyPlan:
         phases = (Phase("linear_probe", sigma1, q1, lp_steps, lp_batch),
                   Phase("fine_tune", sigma2, q2, ft_steps, batch))
     check_signal_survives(phases, args, n)
+    adaptive = None
+    if args.adaptive_clipping is not None:  # σ_b fixed now; each phase's σ must leave the gradient its share
+        adaptive = AdaptiveClipping.parse(args.adaptive_clipping).resolved(
+            phases[-1].expected_batch_size, max(p.noise_multiplier for p in phases))
+        for phase in phases:
+            gradient_noise_multiplier(phase.noise_multiplier, adaptive.count_noise)
     return PrivacyPlan(
         accountant=acc, target_delta=delta, per_sample_max_grad_norm=args.per_sample_max_grad_norm,
         clipping=args.clipping, dataset_size=n, poisson_sampling=args.poisson_sampling, phases=phases,
         target_epsilon=eps, world_size=args.world_size, neighboring=rel,
         randomness="os-entropy" if args.noise_seed is None else "seeded", privacy_unit=args.privacy_unit,
         target_attack_tpr_at_fpr=None if attack is None else str(AttackTarget.parse(attack)),
+        adaptive_clipping=adaptive,
     )
 
 
@@ -156,7 +164,7 @@ def resume_ledger(plan: PrivacyPlan, checkpoint: PrivacyLedger, global_step: int
 # Arguments the plan is made of (with the dataset size and the number of processes).
 PLAN_ARGUMENTS = ("target_epsilon", "target_attack_tpr_at_fpr", "target_delta", "noise_multiplier", "accountant",
                   "neighboring", "per_sample_max_grad_norm", "clipping", "poisson_sampling", "noise_seed",
-                  "privacy_unit",
+                  "privacy_unit", "adaptive_clipping",
                   "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "num_train_epochs",
                   "lp_steps", "lp_epsilon_fraction", "lp_per_device_train_batch_size")
 # What trains: the checkpoint's optimizer state holds these parameters and no others.

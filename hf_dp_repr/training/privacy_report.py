@@ -48,6 +48,12 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
              f"{led.dataset_size} {'examples' if led.privacy_unit == ROW else 'units'}"
              + ("" if max_rows_per_unit is None else f" (at most {max_rows_per_unit} rows each per step)") +
              f"): ε at the end of the plan {led.planned_epsilon():.4f}"]
+    if led.adaptive_clipping is not None:
+        spec = led.adaptive_clipping
+        lines.append(f"adaptive clipping: C from {ledger.clip_norm:g} towards the {spec.quantile:g} quantile of the "
+                     f"norms (learning rate {spec.learning_rate:g}); the count's noise σ_b={spec.count_noise:.4g} "
+                     "takes its share of each phase's σ, the gradient's is σ_eff="
+                     + ", ".join(f"{led.gradient_noise_multiplier(i):.4f}" for i in range(len(led.phases))))
     stack = block_stack_name(model, block_stack)
     for i, phase in enumerate(led.phases):
         lines.append(f"phase '{phase.name}': σ={phase.noise_multiplier:.4f}, sample rate q={phase.sample_rate:.5f} "

@@ -85,6 +85,8 @@ class DPTrainerOutputs(Trainer):
         privacy = {}
         if self.ledger is not None:
             privacy["epsilon"] = self.epsilon()
+            if self.ledger.plan.adaptive_clipping is not None:  # C now: from C_0 and the noisy counts alone
+                privacy["clip_norm"] = self.ledger.clip_norm
             if len(self.ledger.plan.phases) > 1:
                 privacy.update({f"epsilon_{name}": eps for name, eps in self.engine.epsilon_by_phase().items()})
         logged = {**logs, **privacy}

@@ -31,11 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..metrics import accuracy_metrics
 from ..privacy.accounting import compute_epsilon
-
-
-def accuracy(p) -> dict:
-    return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
 
 
 @dataclass
@@ -67,7 +64,7 @@ def sweep_budget_split(model_init, base_args, train_dataset, eval_dataset, fract
         args.lp_steps, args.lp_epsilon_fraction = steps, fraction
         args.output_dir = os.path.join(base_args.output_dir, f"lp{steps}_eps{fraction}")
         trainer = DPTrainer(model=model_init(), args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                            compute_metrics=trainer_kwargs.pop("compute_metrics", accuracy), **trainer_kwargs)
+                            compute_metrics=trainer_kwargs.pop("compute_metrics", accuracy_metrics()), **trainer_kwargs)
         trainer.train()
         metrics = trainer.evaluate()
         led = trainer.ledger

@@ -29,6 +29,7 @@ from ..accuracy_checks import check_accuracy_fields
 from ..continual.public_phase import SWITCHES
 from ..sharding import check_processes, sharding_request
 from .checks import (
+    check_adaptive_clipping,
     check_one_run,
     check_privacy_target,
     check_privacy_unit,
@@ -120,6 +121,15 @@ class DPTrainingArguments(TrainingArguments):
                   "(with noise_multiplier=0 only): the true non-private reference, the plain gradient through the "
                   "same trainer (ε = ∞). Any mode registered in `privacy.clipping_modes`.",
                   "choices": CLIPPING_MODES.keys()},
+    )
+    adaptive_clipping: str | None = field(
+        default=None,
+        metadata={"help": "Adaptive clipping (Andrew et al. 2021): C starts at per_sample_max_grad_norm and follows a "
+                  "quantile of the per-example norms, from a noisy count that takes a share of σ (accounted): "
+                  "'quantile=0.5,learning_rate=0.2,count_noise=S' (any subset, or 'on' for these defaults; "
+                  "count_noise σ_b defaults to the expected batch / 20; or count_share=F: the count takes the share F "
+                  "of σ⁻²). flat clipping only. See "
+                  "privacy.adaptive_clipping."},
     )
     clipping_engine: str = field(
         default="auto",
@@ -325,6 +335,7 @@ def validate_dp_fields(args: DPTrainingArguments) -> None:
     if args.clipping not in CLIPPING_MODES:
         raise DPConfigError(f"DPTrainingArguments: unknown clipping {args.clipping!r}; use one of "
                             f"{tuple(CLIPPING_MODES)}.")
+    check_adaptive_clipping(args)
     if not CLIPPING_MODES[args.clipping].private and args.noise_multiplier != 0:
         raise DPConfigError(f"DPTrainingArguments: clipping={args.clipping!r} bounds no example's influence, so no "
                             "noise makes it private; it is only for the non-private reference: set noise_multiplier=0 "

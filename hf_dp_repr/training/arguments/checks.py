@@ -19,25 +19,13 @@ import os
 import sys
 
 from ...errors import DPConfigError, ProcessGroupError, UnsupportedError
+from ...privacy.accounting import target_epsilon_problem
+from ...privacy.adaptive_clipping import AdaptiveClipping
 
 logger = logging.getLogger(__name__)
 # How many processes a launcher started: torchrun and `accelerate launch` (WORLD_SIZE), MPI launchers (the variables
 # accelerate reads for CPU runs).
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def target_epsilon_problem(eps: float) -> str | None:
-    """Why `eps` cannot be a target ε (None if it can): NaN, ∞ (no budget: Opacus' calibration would return
-    its upper bracket σ = 10, a chance-level model), or ≤ 0."""
-    if math.isnan(eps):
-        return "target_epsilon is NaN; give a finite ε > 0 (e.g. 8.0), or noise_multiplier=0 for a non-private run."
-    if eps == math.inf:
-        return ("target_epsilon=inf is no privacy budget: no σ is calibrated for it (Opacus would return an arbitrary "
-                "σ = 10 and a chance-level model). For a non-private reference set noise_multiplier=0 instead of "
-                "target_epsilon (clipping only, ε reported as ∞).")
-    if not eps > 0:
-        return f"target_epsilon must be > 0, got {eps}."
-    return None
 
 
 PRIVACY_TARGETS = ("target_epsilon", "target_attack_tpr_at_fpr", "noise_multiplier")  # give exactly one
@@ -69,6 +57,17 @@ def check_privacy_target(args) -> None:
             AttackTarget.parse(args.target_attack_tpr_at_fpr)
         except DPConfigError as err:
             raise DPConfigError(f"DPTrainingArguments: {err}") from None
+
+
+def check_adaptive_clipping(args) -> None:
+    """adaptive_clipping: parsed (written back in its canonical form), with flat clipping only."""
+    if args.adaptive_clipping is None:
+        return
+    spec = AdaptiveClipping.parse(args.adaptive_clipping)
+    if args.clipping != "flat":
+        raise DPConfigError(f"DPTrainingArguments: adaptive_clipping follows a quantile of each example's whole "
+                            f"gradient norm; clipping={args.clipping!r} does not clip to it: use clipping='flat'.")
+    args.adaptive_clipping = str(spec)
 
 
 def check_privacy_unit(args) -> None:

@@ -112,7 +112,7 @@ def charge_recomputed(ledger: PrivacyLedger, spent: PrivacyLedger | None, checkp
     recomputed = spent.recomputed_steps + (((ledger.steps_done + 1, spent.steps_done),) if lost else ())
     if recomputed == ledger.recomputed_steps:
         return ledger
-    charged = PrivacyLedger(ledger.plan, ledger.steps_done, recomputed)
+    charged = PrivacyLedger(ledger.plan, ledger.steps_done, recomputed, ledger.clip_norms)
     at_end = PrivacyLedger(ledger.plan, ledger.plan.planned_steps, recomputed).epsilon()
     logger.warning(
         f"DPTrainer: the run that wrote {checkpoint} computed {lost} noisy step(s) past it before it stopped "
