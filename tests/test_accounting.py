@@ -25,13 +25,15 @@ def test_last_phase_calibration_spends_exactly_the_target(accountant):
     assert 0.999 <= compute_epsilon([(shared, 0.05, 50), (shared, 0.02, 300)], 1e-5, accountant) <= 1.0
 
 
-def dp_accounting_pld_epsilon(history, delta, neighboring="add_remove"):
-    """ε from an independent accountant: dp_accounting's privacy loss distributions (pessimistic estimate)."""
+def dp_accounting_pld_epsilon(history, delta, neighboring="add_remove", grid=1e-4):
+    """ε from an independent accountant: dp_accounting's privacy loss distributions (pessimistic estimate; its
+    default grid 1e-4, or `grid`)."""
     import dp_accounting
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 
     relation = dp_accounting.NeighboringRelation
-    acc = PLDAccountant(relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE)
+    acc = PLDAccountant(relation.REPLACE_ONE if neighboring == "replace_one" else relation.ADD_OR_REMOVE_ONE,
+                        value_discretization_interval=grid)
     for sigma, q, steps in history:
         acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
     return acc.get_epsilon(delta)
@@ -128,3 +130,47 @@ def test_the_sigma_search_lands_in_the_tolerance_band_in_a_few_accountant_calls(
     sigma = calibrate_sigma(spend, target + floor, [], 0.1, 100, floor=floor)
     assert target * 0.999 <= spend([(sigma, 0.1, 100)]) - floor <= target
     assert len(calls) - 1 <= 8, calls
+
+
+def dp_accounting_lower_bound(history, delta, neighboring, grid):
+    """A lower bound of the true ε: dp_accounting's optimistic PLD (every loss rounded down) on the grid `grid`."""
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    relation = dp_accounting.NeighboringRelation
+    total = None
+    for sigma, q, steps in history:
+        step = pld.from_gaussian_mechanism(
+            sigma, pessimistic_estimate=False, value_discretization_interval=grid, sampling_prob=q,
+            use_connect_dots=False, neighboring_relation=relation.REPLACE_ONE if neighboring == "replace_one"
+            else relation.ADD_OR_REMOVE_ONE).self_compose(steps)
+        total = step if total is None else total.compose(step)
+    return total.get_epsilon_for_delta(delta)
+
+
+def test_tiny_epsilon_is_not_over_noised_and_stays_an_upper_bound():
+    """q = 1e-4 over 1e5 steps: each step's privacy losses are ~q/σ, far below the 1e-3 grid, whose rounding up then
+    dominated: ε = 0.1 calibrated σ ≈ 15 (replace-one, δ = 1e-5), for which a fine grid gives ε ≈ 0.01 (seen failing
+    so). The grid follows q/σ: the calibrated σ spends ~0.1 by dp_accounting's 1e-6 grid; and every ε reported stays
+    above dp_accounting's lower bound (its optimistic PLD on a fine grid) and close to its fine-grid upper bound."""
+    q, steps, delta = 1e-4, 100_000, 1e-5
+    sigma = calibrate_noise_multiplier(0.1, delta, q, steps, "pld", "replace_one")
+    assert 0.09 <= dp_accounting_pld_epsilon([(sigma, q, steps)], delta, "replace_one", grid=1e-6) <= 0.1002
+    assert 0.0999 <= compute_epsilon([(sigma, q, steps)], delta, "pld", "replace_one") <= 0.1
+    history = [(4.0, 1e-3, 1000)]  # ε ≈ 0.02 / 0.045, where the 1e-3 grid reported 2-3× that
+    for neighboring in ("add_remove", "replace_one"):
+        reported = compute_epsilon(history, delta, "pld", neighboring)
+        assert reported >= dp_accounting_lower_bound(history, delta, neighboring, grid=1e-6)
+        assert reported <= 1.01 * dp_accounting_pld_epsilon(history, delta, neighboring, grid=1e-5)
+
+
+def test_an_out_of_reach_target_is_refused_not_a_crash():
+    """The σ search's secant through two nearly equal spends (an accountant near its floor) pointed past any float:
+    OverflowError instead of OutOfReachError (seen failing so). RDP's floor here is ε ≈ 0.14."""
+    from hf_dp_repr.errors import OutOfReachError
+    from hf_dp_repr.privacy.accounting import calibrate_sigma
+
+    with pytest.raises(OutOfReachError, match="out of reach"):  # the same shape, fast: a floor at 0.14
+        calibrate_sigma(lambda history: 0.14 + 1 / history[0][0] ** 2, 0.09, [], 0.0005, 2000)
+    with pytest.raises(OutOfReachError, match=r"target_epsilon=0.09 .*'rdp' accountant can certify"):
+        calibrate_noise_multiplier(0.09, 1e-6, 0.0005, 2000, "rdp", "add_remove")

@@ -24,7 +24,7 @@ REFUSED_VALUES = {
     "torch_empty_cache_steps": 10, "dataloader_in_order": False, "label_names": ["target"],
     "accelerator_config": {"split_batches": True}, "parallelism_config": ParallelismConfig(),
     "deepspeed": "ds_config.json", "auto_find_batch_size": True, "max_grad_norm": 1.0, "fp16": True,
-    "hub_token": "hf_secret", "ignore_data_skip": True,
+    "hub_token": "hf_secret", "ignore_data_skip": True, "include_num_input_tokens_seen": True,
 }
 
 

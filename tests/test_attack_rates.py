@@ -123,6 +123,22 @@ def test_attack_target_calibrates_sigma_to_the_closed_form(neighboring, sensitiv
     assert plan.planned_epsilon() == compute_epsilon([(sigma, 1.0, 1)], 1e-4, "pld", neighboring)
 
 
+@pytest.mark.parametrize("target", ["0.05@0.01", "0.2@0.1"])
+def test_attack_target_over_many_full_batch_steps_calibrates(target):
+    """50 full-batch steps compose to Φ(Φ⁻¹(f) + 2√50/σ) (replace-one): the plan calibrates σ to that closed form
+    (20.75 for 0.05@0.01), where the σ search died with OverflowError (seen failing so)."""
+    from hf_dp_repr.training.plan import plan_run
+    from utils import dp_args
+
+    tpr, fpr = (float(x) for x in target.split("@"))
+    args = dp_args(pathlib.Path("/tmp/attack-target"), target_epsilon=None, target_attack_tpr_at_fpr=target,
+                   neighboring="replace_one", per_device_train_batch_size=64, max_steps=50)
+    (phase,) = plan_run(args, dataset_size=64).phases
+    closed_form = 2 * math.sqrt(50) / (norm.ppf(tpr) - norm.ppf(fpr))
+    assert phase.noise_multiplier == pytest.approx(closed_form, rel=2e-3)
+    assert tpr_at_fpr([(phase.noise_multiplier, 1.0, 50)], fpr, "replace_one") <= tpr
+
+
 def test_an_epsilon_split_set_after_the_checks_is_refused_with_an_attack_target():
     """sweep_budget_split sets lp_epsilon_fraction on checked arguments: the plan refuses it (there is no ε to split)
     instead of ignoring it."""

@@ -191,6 +191,25 @@ def test_collator_that_mixes_examples_is_refused(digits, tmp_path):
                             "the data collator mixes examples", data_collator=mixing_collator)
 
 
+def test_collator_copying_a_prefix_the_examples_share_is_refused():
+    """Examples sharing their first 3 tokens (a chat template's prefix) hid a collator that copies row 0's first 3
+    tokens into every row: replacing one real example by another left the other rows as they were (seen failing:
+    accepted). A stand-in differing from the example everywhere moves them; a collator keeping rows apart passes."""
+    from hf_dp_repr.privacy.row_probe import check_collator_keeps_examples_apart
+
+    examples = [{"input_ids": [5, 6, 7, 10 + i, 20 + i], "labels": [5, 6, 7, 10 + i, 20 + i]} for i in range(3)]
+
+    def copy_prefix(features):
+        batch = default_data_collator(features)
+        batch["input_ids"][:, :3] = batch["input_ids"][0, :3].clone()
+        return batch
+
+    with pytest.raises(DPConfigError, match="mixes examples: replacing example 0"):
+        check_collator_keeps_examples_apart(copy_prefix, examples)
+    assert check_collator_keeps_examples_apart(default_data_collator, examples)["input_ids"].tolist() == [
+        e["input_ids"] for e in examples]
+
+
 def test_model_whose_loss_mixes_examples_is_refused(digits, tmp_path):
     class BatchStandardised(nn.Module):  # batch statistics, no running ones: each loss moves by 0.3 % here
         def forward(self, x):

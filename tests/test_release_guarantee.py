@@ -75,6 +75,17 @@ def test_the_metrics_files_hold_nothing_about_the_batches_drawn(default_run):
     try:
         with pytest.raises(ValueError, match="eval_results.json holds total_flos"):
             check_pushable(out)
+        # every counter of the batches' rows or tokens, by a rule (num_input_tokens_seen and TRL's eval_num_tokens
+        # passed it when it listed two names: seen failing so); the eval set's own size and speed are public
+        counters = {"num_input_tokens_seen": 630, "eval_num_tokens": 154, "train_tokens_per_second": 3.0,
+                    "total_samples_seen": 12, "eval_num_examples_seen": 3, "rewards/num_sequences": 4}
+        assert public_metrics({**counters, "eval_samples": 16, "eval_samples_per_second": 9.0, "eval_loss": 0.5,
+                               "eval_mean_token_accuracy": 0.2}) == {
+            "eval_samples": 16, "eval_samples_per_second": 9.0, "eval_loss": 0.5, "eval_mean_token_accuracy": 0.2}
+        for key, value in counters.items():
+            (out / "eval_results.json").write_text(json.dumps({"eval_loss": 0.5, key: value}))
+            with pytest.raises(ValueError, match=f"eval_results.json holds {key}"):
+                check_pushable(out)
     finally:
         (out / "eval_results.json").unlink()
 

@@ -533,3 +533,54 @@ def test_two_processes_run_steps_with_empty_micro_batches(name, two_processes):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+# ---- what reaches logs and files: TRL's eval metrics and counters (issue 38) -----------------------------------------
+def test_eval_metrics_of_training_pairs_and_trl_token_counts_stay_out_of_logs_files_and_pushes(tokenizer, tmp_path):
+    """With eval_dataset = the training pairs, TRL's own eval metrics (`eval_rewards/*`, `eval_logps/*`, ...) are
+    statistics of private pairs: named `train_eval_*` like the Trainer's eval loss, so kept out of the metrics files,
+    the card and pushes. TRL's `eval_num_tokens` is its running count of TRAINING tokens (it moved by 2 × a removed
+    pair's tokens): dropped from every log, log_history, trainer_state.json and the files (seen failing without: both
+    reached all_results.json and the card, and the push check passed them)."""
+    import json
+
+    from hf_dp_repr.hub.push import check_pushable
+
+    seen = LogsSeen()
+    data = pairs()
+    trainer = DPDPOTrainer(model=tiny_llama(vocab_size=len(tokenizer), seed=0), train_dataset=data,
+                           eval_dataset=data, processing_class=tokenizer, callbacks=[seen],
+                           args=dpo_args(tmp_path, noise_multiplier=1.0, per_sample_max_grad_norm=1.0,
+                                         eval_strategy="steps", eval_steps=1, logging_steps=1))
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_metrics("eval", metrics)
+    trainer.save_model()
+    trainer.save_state()
+    out = Path(trainer.args.output_dir)
+    assert any(k.startswith("train_eval_rewards/") for k in metrics) and "train_eval_loss" in metrics, metrics
+    saved = {k: v for name in ("all_results.json", "eval_results.json") for k, v in
+             json.loads((out / name).read_text()).items()}
+    state = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    card = (out / "README.md").read_text()
+    for keys in (metrics, saved, *trainer.state.log_history, *state, *seen.logs):
+        leaked = [k for k in keys if "num_tokens" in k or k.startswith("eval_")]
+        assert not leaked, leaked
+    assert "num_tokens" not in card and "rewards/" not in card and "logps/" not in card
+    check_pushable(out)  # nothing private written
+    (out / "eval_results.json").write_text(json.dumps({"eval_num_tokens": 154, "eval_accuracy": 0.5}))
+    with pytest.raises(ValueError, match="eval_num_tokens"):
+        check_pushable(out)
+
+
+def test_pairs_dropped_by_truncation_are_refused_not_a_smaller_n(tokenizer, tmp_path):
+    """TRL drops a pair whose prompt alone fills max_length: n (so q, σ and the card) would then depend on a private
+    record's content (12 vs 11 pairs, seen so without the check). Refused before training, naming max_length."""
+    from hf_dp_repr.errors import DPConfigError
+
+    data = pairs().to_dict()
+    data["prompt"][5] = "a very long prompt that fills the whole max length "
+    with pytest.raises(DPConfigError, match=r"dropped 1 of its 12 rows .*max_length=16"):
+        DPDPOTrainer(model=tiny_llama(vocab_size=len(tokenizer), seed=0), train_dataset=Dataset.from_dict(data),
+                     processing_class=tokenizer, args=dpo_args(tmp_path, noise_multiplier=1.0, max_length=16))
+    assert not (tmp_path / "run").exists()

@@ -307,3 +307,33 @@ def test_each_examples_loss_is_sft_trainers_loss_on_that_example_alone(loss_type
         alone = [trl.SFTTrainer.compute_loss(trainer, trainer.model, trainer._prepare_inputs(
             trainer.data_collator([row]))) for row in rows]
     torch.testing.assert_close(ours, torch.stack(alone), rtol=1e-4, atol=1e-5)
+
+
+# ---- issue 38: TRL's eval metrics of training rows, rows dropped by truncation, token counts -----------------------
+def test_sft_eval_metrics_of_training_rows_are_private_and_token_counts_are_refused(chats, tok, tmp_path):
+    """eval_dataset = the training conversations: SFTTrainer's own eval metrics (entropy, token accuracy) are named
+    `train_eval_*` like the eval loss, so never written to the metrics files (seen failing without: `eval_entropy`,
+    `eval_mean_token_accuracy` in all_results.json); TRL's `eval_num_tokens` counter is logged nowhere;
+    include_num_input_tokens_seen (a count of the private batches' tokens) is refused before any work."""
+    trainer = DPSFTTrainer(model=tiny_llama(vocab_size=len(tok)), args=sft_args(tmp_path), train_dataset=chats,
+                           eval_dataset=chats, processing_class=tok)
+    metrics = trainer.evaluate()
+    trainer.save_metrics("eval", metrics)
+    assert {"train_eval_entropy", "train_eval_mean_token_accuracy", "train_eval_loss"} <= set(metrics), metrics
+    written = json.loads((tmp_path / "run" / "all_results.json").read_text())
+    for keys in (metrics, written, *trainer.state.log_history):
+        assert not [k for k in keys if k.startswith("eval_") or "num_tokens" in k], keys
+    with pytest.raises(DPConfigError, match="include_num_input_tokens_seen=True is refused"):
+        sft_args(tmp_path, include_num_input_tokens_seen=True)
+
+
+def test_conversations_dropped_by_truncation_are_refused_not_a_smaller_n(chats, tok, tmp_path):
+    """A conversation whose assistant turn starts past max_length keeps no loss token and TRL drops it: n would count
+    12 or 11 records by their content (seen so without the check). Refused before training, naming max_length."""
+    rows = chats.to_list()
+    first_user = rows[3]["messages"][0]
+    first_user["content"] = " ".join(["module"] * 80)
+    data = type(chats).from_list(rows)
+    with pytest.raises(DPConfigError, match=r"dropped 1 of its 12 rows .*max_length=64"):
+        DPSFTTrainer(model=tiny_llama(vocab_size=len(tok)), args=sft_args(tmp_path, max_length=64), train_dataset=data,
+                     processing_class=tok)

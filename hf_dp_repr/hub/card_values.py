@@ -16,6 +16,7 @@ from decimal import Decimal
 from ..privacy.accountants import ACCOUNTANTS
 from ..privacy.attack_rates import AttackTarget, attack_rates, attack_rates_from_epsilon
 from ..privacy.units import ROW, describe_unit
+from .public_names import is_private_metric
 
 RANDOMNESS = {
     "os-entropy": "drawn from OS entropy (no seed reproduces them)",
@@ -223,7 +224,7 @@ def exposure_rows(report: dict | None) -> dict | None:
 
 def _reported_metric(key: str, value) -> bool:
     """Held-out metrics and ε; not timings, and not the training loss (computed on private data outside DP)."""
-    if not isinstance(value, (int, float)) or key.endswith(("_runtime", "_per_second")):
+    if not isinstance(value, (int, float)) or key.endswith(("_runtime", "_per_second")) or is_private_metric(key):
         return False
     return key.startswith(("eval_", "test_")) or key in ("epsilon", "perplexity", "accuracy")
 

@@ -1,7 +1,8 @@
 """What leaves the machine names no local path: the model card's free text and metadata, and a LoRA run's
 `adapter_config.json` (peft records the base model's `name_or_path`, e.g. the temporary folder of public
 pre-training). A local path becomes its last component (a cached GGUF model, its shipped name: `smollm2-135m-instruct`,
-which `resolve_model_path` loads again); Hub ids and URLs are kept.
+which `resolve_model_path` loads again); Hub ids and URLs are kept. Nor a private metric (`is_private_metric`):
+metrics files, the card and pushes keep none.
 """
 
 from __future__ import annotations
@@ -14,6 +15,29 @@ from pathlib import Path
 from ..data.gguf_models import shipped_name
 
 ADAPTER_CONFIG = "adapter_config.json"
+PRIVATE_PREFIX = "train_"  # metrics computed on the private training data outside DP-SGD
+UNIT_WORDS = {"tokens", "samples", "examples", "rows", "sequences", "units"}
+
+
+def is_sample_counter(key: str) -> bool:
+    """A count of what the training batches held, whoever computed it: `total_flos` (6 · parameters · Σ|B_t|),
+    `num_input_tokens_seen`, TRL's `num_tokens` (`eval_num_tokens`: its running count of TRAINING tokens), ...: the
+    sizes of the secret Poisson batches, which the accountant treats as secret. The rule: a name with the word
+    `flos` or `seen`, or `num` / `total` with a unit (tokens, samples, examples, rows, sequences, units).
+
+    >>> [is_sample_counter(k) for k in ("total_flos", "num_input_tokens_seen", "eval_num_tokens", "eval_samples",
+    ...                                 "eval_samples_per_second", "eval_mean_token_accuracy")]
+    [True, True, True, False, False, False]
+    """
+    words = set(re.split(r"[_/.\-]", key.lower()))
+    return bool(words & {"flos", "seen"}) or bool(words & {"num", "total"} and words & UNIT_WORDS)
+
+
+def is_private_metric(key: str) -> bool:
+    """`train_*` metrics (the training loss, the metrics of an evaluation set drawn from the training data, named
+    `train_eval_*`, ...) are computed on the private data outside DP-SGD; counters of the training batches' rows or
+    tokens (`is_sample_counter`) give the secret batch sizes."""
+    return key.startswith(PRIVATE_PREFIX) or is_sample_counter(key)
 
 
 def public_text(text):

@@ -7,7 +7,8 @@ state, cached features, public pre-training, logs) is ever sent:
 - the model: `config.json`, `*.safetensors` (or `pytorch_model*.bin`), `generation_config.json`, LoRA adapters,
   tokenizer / image-processor files;
 - `all_results.json` and `eval_results.json`, refused if they hold a `train_*` metric (computed on private data
-  outside DP-SGD) or `total_flos` (6 · parameters · Σ|B_t|: the sizes of the secret Poisson batches);
+  outside DP-SGD) or a counter of the training batches' rows or tokens (`total_flos`, `num_input_tokens_seen`,
+  TRL's `eval_num_tokens`, ...: the sizes of the secret Poisson batches; `public_names.is_private_metric`);
   `DPTrainer.save_metrics` never writes them;
 - `representation_law.json` and the `*.png` plots;
 - `privacy_ledger.json` (required: a DP model is never pushed without the record of its guarantee), and
@@ -44,6 +45,7 @@ from pathlib import Path
 from ..errors import ArgumentError, DataError, HubAccessError, LedgerError
 from ..privacy.ledger import LEDGER_FILE
 from .card import CARD_FILE, SEARCH_FILE, write_model_card
+from .public_names import is_private_metric
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
@@ -74,22 +76,16 @@ def files_to_push(folder: str | os.PathLike) -> list[str]:
 
 
 # ---- metrics: nothing computed on the private data ------------------------------------------------------------
-def is_private_metric(key: str) -> bool:
-    """`train_*` metrics (the training loss, ...) are computed on the private data outside DP-SGD; the Trainer's
-    `total_flos` counts the examples of every sampled batch, which the accountant treats as secret."""
-    return key.startswith("train_") or key == "total_flos"
-
-
 def public_metrics(metrics: dict) -> dict:
-    """`metrics` without its `train_*` and `total_flos` keys, with ε = ∞ (and any non-finite number) as null so
-    the JSON is valid."""
+    """`metrics` without its private keys (`train_*`, counters of the batches), with ε = ∞ (and any non-finite
+    number) as null so the JSON is valid."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in metrics.items() if not is_private_metric(k)}
 
 
 def save_public_metrics(output_dir: str | os.PathLike, split: str, metrics: dict, combined: bool = True) -> None:
     """`Trainer.save_metrics` for a DP run: `{split}_results.json` (and, if `combined`, `all_results.json`, merged
-    with what is there) without `train_*` and `total_flos` keys and as valid JSON."""
+    with what is there) without private keys (`train_*`, counters of the batches) and as valid JSON."""
     path = Path(output_dir) / f"{split}_results.json"
     path.write_text(json.dumps(public_metrics(metrics), indent=4, sort_keys=True, allow_nan=False))
     if combined:
@@ -99,8 +95,8 @@ def save_public_metrics(output_dir: str | os.PathLike, split: str, metrics: dict
 
 
 def check_pushable(folder: str | os.PathLike) -> None:
-    """Refuse a folder without a readable privacy ledger, or whose metrics files hold private (`train_*`,
-    `total_flos`) keys."""
+    """Refuse a folder without a readable privacy ledger, or whose metrics files hold private keys (`train_*`,
+    counters of the training batches' rows or tokens: `public_names.is_private_metric`)."""
     folder = Path(folder)
     ledger = folder / LEDGER_FILE
     if not ledger.is_file():
@@ -116,8 +112,8 @@ def check_pushable(folder: str | os.PathLike) -> None:
             private = sorted(k for k in json.loads(path.read_text()) if is_private_metric(k))
             if private:
                 raise DataError(f"push: {path} holds {', '.join(private)}, computed on the private data outside "
-                                "DP-SGD (or, for total_flos, on the secret batch sizes). Remove those keys "
-                                "(DPTrainer.save_metrics never writes them) and push again.")
+                                "DP-SGD (or, for a count of rows, tokens or flos, on the secret batch sizes). Remove "
+                                "those keys (DPTrainer.save_metrics never writes them) and push again.")
 
 
 # ---- access --------------------------------------------------------------------------------------------------------

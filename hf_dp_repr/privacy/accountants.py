@@ -48,10 +48,11 @@ GDP_REFUSED = ("the 'gdp' accountant is refused: its central-limit approximation
                "under-reports ε for DP-SGD (e.g. 0.47 for a true 1.69 at σ=0.9, q=0.05, 3 steps). Use 'pld' "
                "(default), 'prv' or 'rdp'.")
 REFUSED = {"gdp": GDP_REFUSED}  # name: why it is refused
-# PLD_DISCRETIZATION (attack_rates.py; coarser for σ < 0.17: `pld_discretization`): dp_accounting's privacy-loss
-# grid for `pld`. Its pessimistic estimate rounds every loss up to the grid, so a coarser grid only raises ε: 1e-3
-# reports at most ~0.1 % above dp_accounting's finer default (1e-4) and calibrates 5-10× faster (measured on histories
-# of 3 to 1000 steps; tests/test_accounting.py checks it is never below).
+# PLD_DISCRETIZATION (attack_rates.py; coarser for a tiny σ, finer for a tiny q/σ: `pld_discretization`):
+# dp_accounting's privacy-loss grid for `pld`. Its pessimistic estimate rounds every loss up to the grid, so a coarser
+# grid only raises ε: 1e-3 reports at most ~0.1 % above dp_accounting's finer default (1e-4) and calibrates 5-10×
+# faster (measured on histories of 3 to 1000 steps; tests/test_accounting.py checks it is never below), where one
+# step's losses (~q/σ) are not far below the grid.
 # What a new accountant is checked on: GDP's counter-example (0.47 reported, 1.69 true) and two phases.
 REFERENCE_HISTORIES = (((0.9, 0.05, 3),), ((1.0, 0.1, 5), (2.0, 0.2, 3)))
 REFERENCE_DELTA = 1e-5

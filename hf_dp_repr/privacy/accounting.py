@@ -144,7 +144,8 @@ def calibrate_sigma(spend, target: float, fixed: History, sample_rate: float, st
         if not (low > 0 and math.isfinite(gap_low) and math.isfinite(gap_high) and gap_low > gap_high):
             return math.nan
         x_low, x_high = math.log(low), math.log(high)
-        return math.exp(x_high - gap_high * (x_high - x_low) / (gap_high - gap_low))
+        x = x_high - gap_high * (x_high - x_low) / (gap_high - gap_low)
+        return math.exp(x) if x < math.log(MAX_SIGMA) + 1 else math.inf  # a near-flat line: far past any σ tried
 
     low, high, value_low = 0.0, 1.0, math.inf
     while (value_high := value(high)) > target:  # grow σ until the target is met: 2×, or past the secant's σ

@@ -2,10 +2,11 @@
 per-example clipping takes for granted, and refuse, naming the culprit, what it cannot clip exactly.
 
 - one row per example (no packing: `validation.check_one_row_per_example`, run by the collator wrapper);
-- the collator keeps examples apart: replacing one example leaves every other row of the collated batch as it
-  was (a collator that mixes rows, e.g. row i = mean of examples i and i + 1, would let one example move every
-  other example's clipped gradient). A collator that draws random numbers (MLM masking) is not checked: its rows
-  change from one call to the next anyway;
+- the collator keeps examples apart: replacing one example (by another, and by a stand-in that differs from it
+  at every position: its integers moved to other values the examples hold, its floats by 1) leaves every other
+  row of the collated batch as it was (a collator that mixes rows, e.g. row i = mean of examples i and i + 1,
+  would let one example move every other example's clipped gradient). A collator that draws random numbers (MLM
+  masking) is not checked: its rows change from one call to the next anyway;
 - each example's loss depends on its own row only: the model's per-example losses on the rows reordered, with a
   copy of the first appended, equal those on the rows as collated;
 - the rows of every hooked module follow the examples (`batch_rows.rows_per_example`), on the same two forwards;
@@ -78,29 +79,75 @@ def _same(x: dict, y: dict) -> bool:
     return x.keys() == y.keys() and all(x[k].shape == y[k].shape and torch.equal(x[k], y[k]) for k in x)
 
 
+def _other_values(value, column: list):
+    """`value` changed at every position, same shape and type: integers to the next value `column` (the same key in
+    every probe example) holds, so still valid ids, labels or mask values; floats by + 1; anything else as it is."""
+    try:
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if array.dtype.kind == "f":
+            changed = array + 1
+        elif array.dtype.kind in "iu":
+            pool = np.unique(np.concatenate([np.asarray(c.cpu() if isinstance(c, torch.Tensor) else c).ravel()
+                                             for c in column if c is not None]))
+            if len(pool) < 2:
+                return value
+            changed = pool[(np.searchsorted(pool, array) + 1) % len(pool)].astype(array.dtype)
+        else:
+            return value
+    except (ValueError, TypeError):  # ragged or mixed values: kept
+        return value
+    if isinstance(value, torch.Tensor):
+        return torch.as_tensor(changed, dtype=value.dtype)
+    return changed if isinstance(value, np.ndarray) else changed.tolist()
+
+
+def _differing(example, examples: list):
+    """A stand-in for `example` that differs from it wherever its numbers can (`_other_values`): a collator that
+    copies any part of one row into the others (the first tokens, which real examples may share) moves them."""
+    if not isinstance(example, dict):
+        return None
+    return {key: _other_values(value, [e.get(key) for e in examples if isinstance(e, dict)])
+            for key, value in example.items()}
+
+
+def _replaced_moves(collate, examples: list, pos: int, stand_in, batch: dict, shapes: dict) -> list[int] | None:
+    """The other rows that change when example `pos` is replaced by `stand_in` (None: the padded shapes changed, so
+    rows cannot be compared)."""
+    replaced = _collate_seeded(collate, examples[:pos] + [stand_in] + examples[pos + 1:], 0)
+    if {key: v.shape for key, v in replaced.items() if isinstance(v, torch.Tensor)} != shapes:
+        return None
+    return [i for i in range(len(examples)) if i != pos and not _same(_rows(batch, i), _rows(replaced, i))]
+
+
 def check_collator_keeps_examples_apart(collate, examples: list) -> dict:
-    """Collate `examples`; for each position, replace its example by another one that keeps the batch's shapes and
-    check that no other row changes. Returns the batch as collated (seed 0)."""
+    """Collate `examples`; for each position, replace its example by another one that keeps the batch's shapes, and
+    by a stand-in that differs from it everywhere (`_differing`), and check that no other row changes. Returns the
+    batch as collated (seed 0)."""
     batch = _collate_seeded(collate, examples, 0)
     k = len(examples)
     if k < 2 or not _same(batch, _collate_seeded(collate, examples, 1)):
         return batch  # one example, or a collator that draws random numbers
     shapes = {key: v.shape for key, v in batch.items() if isinstance(v, torch.Tensor)}
     for pos in range(k):
+        moved = None
         for other in (j for j in range(k) if j != pos):
-            replaced = _collate_seeded(collate, examples[:pos] + [examples[other]] + examples[pos + 1:], 0)
-            if {key: v.shape for key, v in replaced.items() if isinstance(v, torch.Tensor)} != shapes:
-                continue  # the replacement changed the padded length: try another
-            moved = [i for i in range(k) if i != pos and not _same(_rows(batch, i), _rows(replaced, i))]
-            if moved:
-                raise DPConfigError(
-                    f"DPTrainer: the data collator mixes examples: replacing example {pos} of a batch of {k} changed "
-                    f"row(s) {moved} too, so one example would move other examples' clipped gradients (by more than "
-                    "C in all; a collator that reorders rows is refused too: rows must stay in the examples' order). "
-                    "DP-SGD clips each row as one example. Fix: a collator whose row i is built from example i alone "
-                    "(e.g. DataCollatorWithPadding, default_data_collator); mix inside an example (in the dataset's "
-                    "map) instead.")
-            break
+            moved = _replaced_moves(collate, examples, pos, examples[other], batch, shapes)
+            if moved is not None:
+                break  # (None: the replacement changed the padded length: try another)
+        stand_in = _differing(examples[pos], examples)
+        if not moved and stand_in is not None:
+            try:
+                moved = _replaced_moves(collate, examples, pos, stand_in, batch, shapes)
+            except (ValueError, TypeError, IndexError, KeyError, RuntimeError):
+                moved = None  # a collator that cannot take the stand-in: the real examples were checked
+        if moved:
+            raise DPConfigError(
+                f"DPTrainer: the data collator mixes examples: replacing example {pos} of a batch of {k} changed "
+                f"row(s) {moved} too, so one example would move other examples' clipped gradients (by more than "
+                "C in all; a collator that reorders rows is refused too: rows must stay in the examples' order). "
+                "DP-SGD clips each row as one example. Fix: a collator whose row i is built from example i alone "
+                "(e.g. DataCollatorWithPadding, default_data_collator); mix inside an example (in the dataset's "
+                "map) instead.")
     return batch
 
 

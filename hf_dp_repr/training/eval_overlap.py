@@ -4,8 +4,10 @@
 Metrics of an evaluation set taken from the training data (their losses, predictions, accuracy) are statistics of
 the private data computed outside DP-SGD: the DP guarantee covers the weights, not them. `DPTrainer` checks each
 set it evaluates against the training set (`shared_rows`): the same object or `datasets` fingerprint, else hashes
-of rows over their common columns (every row up to `MAX_HASHED_ROWS` per set; past that, evenly spaced rows, so a
-small overlap of very large sets can go unnoticed).
+of rows over their common columns, for any dataset whose rows are dicts (a `datasets.Dataset`, a torch `Dataset`;
+tensors, arrays and lists compared by value, floats at float32 precision), every row up to `MAX_HASHED_ROWS` per
+set; past that, evenly spaced rows, so a small overlap of very large sets can go unnoticed. Rows that are not dicts
+cannot be compared (`Overlap.private` is None): `probe_preconditioning` refuses such a public set.
 
 - The same set, or at least `PRIVATE_SHARE` of its checked rows equal to training rows (a set drawn from the
   training data: a copy, a selection, train + test concatenated): private. It warns, and names that set's metrics
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import datasets
@@ -37,30 +40,69 @@ import numpy as np
 from transformers.utils import logging
 
 from ..errors import DPConfigError
+from ..hub.public_names import PRIVATE_PREFIX  # `train_*` metrics: kept out of files, cards and pushes
 from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
 MAX_HASHED_ROWS = 50_000
 PRIVATE_SHARE = 0.1  # of the checked eval rows equal to training rows: the set was drawn from the training data
-PRIVATE_PREFIX = "train_"  # hf_dp_repr.hub keeps `train_*` metrics out of files, cards and pushes
 
 
 class Overlap(NamedTuple):
     description: str
-    private: bool  # its metrics are statistics of the training data
+    private: bool | None  # its metrics are statistics of the training data (None: its rows could not be compared)
 
 
-def _row_hashes(dataset: datasets.Dataset, columns: list[str]) -> set[bytes]:
+def _canonical(value):
+    """`value` in a form equal for equal contents whatever the container: a tensor, an array and a list of the same
+    numbers (floats at float32 precision, integers and booleans as int64) give the same bytes."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if value is None or isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _canonical(v)) for k, v in value.items()))
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):  # ragged nested lists, ...: compared as they are
+        return value
+    if array.dtype.kind == "f":
+        return array.shape, array.astype(np.float32).tobytes()
+    if array.dtype.kind in "iub":
+        return array.shape, array.astype(np.int64).tobytes()
+    return value
+
+
+def _hash(values: list) -> bytes:
+    return hashlib.blake2b(pickle.dumps([_canonical(v) for v in values], protocol=5), digest_size=16).digest()
+
+
+def _checked_rows(n: int):
+    return None if n <= MAX_HASHED_ROWS else np.unique(np.linspace(0, n - 1, MAX_HASHED_ROWS).round().astype(int))
+
+
+def _row_hashes(dataset, columns: list[str]) -> set[bytes]:
     n = len(dataset)
-    rows = None if n <= MAX_HASHED_ROWS else np.unique(np.linspace(0, n - 1, MAX_HASHED_ROWS).round().astype(int))
+    rows = _checked_rows(n)
+    if not isinstance(dataset, datasets.Dataset):
+        return {_hash([dataset[int(i)][c] for c in columns]) for i in (range(n) if rows is None else rows)}
     table = dataset.with_format("arrow", columns=columns)
     hashes = set()
     for start in range(0, n if rows is None else len(rows), 1024):
         batch = table[start:start + 1024] if rows is None else table[rows[start:start + 1024].tolist()]
-        for row in batch.to_pylist():
-            values = pickle.dumps([row[c] for c in columns], protocol=5)
-            hashes.add(hashlib.blake2b(values, digest_size=16).digest())
+        hashes.update(_hash([row[c] for c in columns]) for row in batch.to_pylist())
     return hashes
+
+
+def _columns(dataset) -> list[str] | None:
+    """The columns of a dataset of dict rows (a `datasets.Dataset`'s, or the first row's keys), else None."""
+    if isinstance(dataset, datasets.Dataset):
+        return dataset.column_names
+    try:
+        first = dataset[0] if len(dataset) else {}
+    except (TypeError, KeyError, IndexError, NotImplementedError):  # not a map-style dataset
+        return None
+    return list(first) if isinstance(first, Mapping) else None
 
 
 def shared_rows(train, evaluation) -> Overlap | None:
@@ -72,9 +114,10 @@ def shared_rows(train, evaluation) -> Overlap | None:
     fingerprint = getattr(train, "_fingerprint", None)
     if fingerprint is not None and fingerprint == getattr(evaluation, "_fingerprint", None):
         return Overlap("it is the training set (same fingerprint)", True)
-    if not (isinstance(train, datasets.Dataset) and isinstance(evaluation, datasets.Dataset)):
-        return None  # other datasets: only the identity above is checked
-    columns = sorted(set(train.column_names) & set(evaluation.column_names))
+    train_columns, eval_columns = _columns(train), _columns(evaluation)
+    if train_columns is None or eval_columns is None:
+        return Overlap("its rows or the training rows are not dicts, so they cannot be compared", None)
+    columns = sorted(set(train_columns) & set(eval_columns))
     if not columns or not len(train) or not len(evaluation):
         return None
     checked = _row_hashes(evaluation, columns)
@@ -92,7 +135,8 @@ def _overlap(trainer, dataset) -> Overlap | None:
     train = trainer.train_dataset
     key = (id(train), getattr(train, "_fingerprint", None), id(dataset), getattr(dataset, "_fingerprint", None))
     if key not in cache:
-        found = cache[key] = shared_rows(train, dataset)
+        found = shared_rows(train, dataset)
+        found = cache[key] = None if found and found.private is None else found  # not comparable: as before
         if found and found.private:
             logger.warning(f"DPTrainer: the evaluation set overlaps the training set ({found.description}). Its "
                            "metrics are computed on private data outside DP-SGD: they are named train_eval_* "

@@ -40,6 +40,10 @@ def check_preconditioning(trainer) -> None:
                             "DPTrainer(..., public_train_dataset=...) (unlabelled rows are enough), or set "
                             "probe_preconditioning='none'.")
     overlap = shared_rows(trainer.train_dataset, public)
+    if overlap is not None and overlap.private is None:
+        raise DPConfigError(f"DPTrainer: public_train_dataset cannot be checked against the private training set "
+                            f"({overlap.description}); statistics fitted on private rows would not be private. Give "
+                            "both as datasets.Dataset or torch datasets whose rows are dicts.")
     if overlap is not None:
         raise DPConfigError("DPTrainer: public_train_dataset shares rows with the private training set "
                             f"({overlap.description}); statistics fitted on it would depend on private rows. Give "

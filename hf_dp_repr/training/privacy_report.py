@@ -1,6 +1,7 @@
 """What `DPTrainer` reports of its privacy (its ledger, ε in every log and the clipping that ran are read from its
 engine by `DPTrainer` itself): the DP-SGD plan, logged once at the start of training
-(`announce_plan`, on the main process); the library loggers' level following the Trainer's `log_level`.
+(`announce_plan`, on the main process); the library loggers' level following the Trainer's `log_level`;
+what every log may hold, whoever added to it (`DPPublishedLogs`, the last class before `Trainer`).
 
 The plan and the clipping engine are routine INFO lines of the `hf_dp_repr` loggers, shown by the recipes (their
 logging setup) and, as the Trainer's own INFO lines, when `log_level` asks for them (`log_level="info"`). Lines that
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import logging as std_logging
 
+from transformers import Trainer
 from transformers.utils import logging
 
 from ..entry_point import warn_if_openmp_spins
+from ..hub.public_names import PRIVATE_PREFIX, is_sample_counter
 from ..privacy.clipping_modes import clipping_mode
 from ..privacy.ledger import PrivacyLedger
 from ..privacy.units import ROW, describe_unit
@@ -20,6 +23,26 @@ from ..scope.blocks import block_stack_name, describe_trainable
 from . import TRAINER_LOGGER
 
 logger = logging.get_logger(TRAINER_LOGGER)
+
+
+class DPPublishedLogs(Trainer):
+    """The last class before `Trainer` in a DP trainer's method order (after a TRL trainer's own `log`, which adds its
+    metrics): every log, whoever computed what it holds, goes through here before `log_history`, the callbacks and
+    trackers, and what `evaluate` returns. Counters of the training batches' rows or tokens (`is_sample_counter`:
+    TRL's `eval_num_tokens`, its running count of TRAINING tokens, ...) are dropped; during the evaluation of a set
+    drawn from the training data (`eval_overlap`: `_private_eval_prefixes`), every metric named as an evaluation's
+    (the Trainer's and the subclass's, e.g. TRL's `eval_entropy`, `eval_rewards/*`) is named `train_*`, kept out of
+    metrics files, the card and pushes as the Trainer's own keys are."""
+
+    _private_eval_prefixes: tuple[str, ...] = ()  # set by DPTrainer.evaluate while it runs
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        for key in [k for k in logs if is_sample_counter(k)]:
+            del logs[key]
+        renamed = [k for k in logs if k.startswith(self._private_eval_prefixes)]
+        for key in renamed:
+            logs[PRIVATE_PREFIX + key] = logs.pop(key)
+        super().log(logs, *args, **kwargs)
 
 
 def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model, block_stack, describe_scope,

@@ -13,7 +13,6 @@ import os
 import shutil
 
 from torch.utils.data import DataLoader
-from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
@@ -36,11 +35,12 @@ from .checkpoints.saving import (
 from .eval_overlap import metric_prefix
 from .hp_search.trials import run_search
 from .preconditioned_probe import folded_head
+from .privacy_report import DPPublishedLogs
 
 logger = logging.get_logger(TRAINER_LOGGER)
 
 
-class DPTrainerOutputs(Trainer):
+class DPTrainerOutputs(DPPublishedLogs):
     """What leaves a `DPTrainer` run, and what a checkpoint brings back (see the module docstring)."""
 
     engine: DPEngine | None = None  # the run's DP machinery (made by DPTrainer when training starts)
@@ -91,17 +91,26 @@ class DPTrainerOutputs(Trainer):
                 privacy.update({f"epsilon_{name}": eps for name, eps in self.engine.epsilon_by_phase().items()})
         logged = {**logs, **privacy}
         super().log(logged, *args, **kwargs)
-        # What the Trainer adds in place (epoch) reaches the caller; ε does not: eval metrics that a hyperparameter
-        # search scores must stay free of it.
+        # What was logged reaches the caller (the epoch, a subclass's metrics, keys dropped or renamed by
+        # DPPublishedLogs); ε does not: eval metrics that a hyperparameter search scores must stay free of it.
+        logs.clear()
         logs.update({k: v for k, v in logged.items() if k not in privacy})
 
     # ---- evaluation and prediction: on the averaged weights, cached features, private sets named train_* --------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        with averaged_weights(self):
-            dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-            if not isinstance(dataset, dict):  # a dict: the Trainer evaluates each entry through this method again
-                metric_key_prefix = metric_prefix(self, dataset, metric_key_prefix)
-            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        private = ()
+        if not isinstance(dataset, dict):  # a dict: the Trainer evaluates each entry through this method again
+            prefix = metric_prefix(self, dataset, metric_key_prefix)
+            if prefix != metric_key_prefix:  # a set drawn from the training data: a subclass's own eval metrics
+                private = (f"{metric_key_prefix}_", "eval_")  # (TRL's eval_*) too, renamed by DPPublishedLogs
+            metric_key_prefix = prefix
+        saved, self._private_eval_prefixes = self._private_eval_prefixes, private
+        try:
+            with averaged_weights(self):
+                return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        finally:
+            self._private_eval_prefixes = saved
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         with averaged_weights(self):

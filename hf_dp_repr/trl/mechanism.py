@@ -47,8 +47,9 @@ from collections.abc import Callable
 
 from transformers import Trainer, TrainingArguments
 
-from ..errors import ArgumentTypeError, UnsupportedError
+from ..errors import ArgumentTypeError, DPConfigError, UnsupportedError
 from ..training.arguments import DPTrainingArguments
+from ..training.privacy_report import DPPublishedLogs
 from ..training.trainer import DPTrainer
 
 # The TRL trainers this mechanism is tested on (class name → their DP config, "module:name", made by dp_config_class).
@@ -168,7 +169,8 @@ def dp_trainer_class(trainer_cls: type, *, config_class: type | None = None,
             }  # (in training, DPTrainer's loss hooks; trainer_cls.compute_loss only in evaluation)
     if per_example_loss is not None:
         body["per_example_loss"] = per_example_loss
-    return type(name or f"DP{trainer_cls.__name__}", (DPMechanism, DPTrainer, trainer_cls), body)
+    # DPPublishedLogs after trainer_cls: every log, the trainer's own metrics added, is filtered before Trainer.log
+    return type(name or f"DP{trainer_cls.__name__}", (DPMechanism, DPTrainer, trainer_cls, DPPublishedLogs), body)
 
 
 def load_model(model, args):
@@ -179,6 +181,22 @@ def load_model(model, args):
     from trl.trainer.utils import create_model_from_path
 
     return create_model_from_path(model, **dict(getattr(args, "model_init_kwargs", None) or {}))
+
+
+def check_no_rows_dropped(trainer, given) -> None:
+    """n (and q, σ, the card's count) must not depend on a private record's content: refuse, before training, a
+    training set from which the trainer's data preparation dropped rows (TRL drops a row that truncation to
+    `max_length` leaves without loss tokens, or whose prompt alone fills it)."""
+    prepared = trainer.train_dataset
+    if not (hasattr(given, "__len__") and hasattr(prepared, "__len__")) or len(prepared) >= len(given):
+        return
+    args = trainer.args
+    raise DPConfigError(
+        f"{type(trainer).__name__}: preparing the training set dropped {len(given) - len(prepared)} of its "
+        f"{len(given)} rows (left without loss tokens by truncation to max_length={getattr(args, 'max_length', None)}"
+        f", truncation_mode={getattr(args, 'truncation_mode', None)!r}), so the number of examples n, and with it q "
+        "and σ, would depend on a private record's content. Fix: a larger max_length (or max_length=None), or "
+        "truncation_mode='keep_end'.")
 
 
 def _resolve(path: str):
@@ -199,7 +217,9 @@ class DPMechanism:
                 f"{type(self).__name__}: `args` must be a {config.__name__} (both the trainer's config and "
                 f"DPTrainingArguments: it holds the privacy budget), got {type(args).__name__}.")
         self._saving_checkpoint = False
+        given = kwargs.get("train_dataset")
         super().__init__(model=load_model(model, args), args=args, **kwargs)
+        check_no_rows_dropped(self, given)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """TRL trainers' own metrics of the training batches (`_metrics["train"]`: token accuracy, entropy, DPO's

@@ -184,8 +184,10 @@ FIELDS: dict[str, Field] = {
     "logging_first_step": _honoured(_LOGS),
     "log_on_each_node": _honoured(_LOGS),
     "logging_nan_inf_filter": _honoured(_LOGS),
-    "include_num_input_tokens_seen": _honoured(_LOGS + "; the token count is of the private batches, not covered "
-                                               "either"),
+    "include_num_input_tokens_seen": _refused(lambda v: v in (False, "no"), "it counts the tokens of every "
+                                              "Poisson-sampled batch (the secret batch sizes) into every log, "
+                                              "trainer_state.json and the metrics files, outside the guarantee. Set "
+                                              "include_num_input_tokens_seen='no' (the default)"),
     "log_level": _honoured(_LOGS),
     "log_level_replica": _honoured(_LOGS),
     "disable_tqdm": _honoured(_LOGS),
