@@ -16,8 +16,10 @@ NAME = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "The capital of France is Paris."}]
 # one step each, on a few short conversations (two per user): a real measurement is benchmarks/smollm2.py
+# (max_length: the configs' 128 holds every prompt of the built-in chats (at most 103 tokens), as DPO requires — a row
+# left without loss tokens by truncation is refused; SFT's assistant turns start before token 64)
 SMALL = ["--max_steps", "1", "--max_conversations", "24", "--max_per_user", "2", "--per_device_train_batch_size", "2",
-         "--gradient_accumulation_steps", "1", "--max_length", "48", "--disable_tqdm", "true"]
+         "--gradient_accumulation_steps", "1", "--disable_tqdm", "true"]
 CONFIGS = Path(__file__).parents[1] / "recipes" / "configs"
 
 
@@ -101,7 +103,7 @@ def test_dp_sft_then_dpo_then_the_residual_law_on_smollm2(smollm2, tmp_path, cap
     from hf_dp_repr.scripts.sft import main as sft_main
 
     sft = sft_main(["--config", str(CONFIGS / "dp_sft_smollm2.yaml"), "--output_dir", str(tmp_path / "sft"),
-                    "--sample_max_new_tokens", "4", *SMALL])
+                    "--sample_max_new_tokens", "4", "--max_length", "64", *SMALL])
     assert 0 < sft["epsilon"] <= 8.0
     adapter = json.loads((tmp_path / "sft" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == NAME  # no local path leaves; the name loads it again
