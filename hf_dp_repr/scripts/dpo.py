@@ -114,6 +114,8 @@ def load_policy(margs: DPOArguments, tokenizer, targs):
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
+    from hf_dp_repr.data import resolve_model_path
+
     if margs.sft_model is None:
         from hf_dp_repr.scripts.sft import load_model
 
@@ -125,7 +127,7 @@ def load_policy(margs: DPOArguments, tokenizer, targs):
         sft = margs.sft_model
         if os.path.exists(os.path.join(sft, "adapter_config.json")):
             name = PeftConfig.from_pretrained(sft).base_model_name_or_path
-            name = os.path.join(sft, name) if os.path.isdir(os.path.join(sft, name)) else name
+            name = os.path.join(sft, name) if os.path.isdir(os.path.join(sft, name)) else resolve_model_path(name)
             model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(name), sft).merge_and_unload()
         else:
             model = AutoModelForCausalLM.from_pretrained(sft)

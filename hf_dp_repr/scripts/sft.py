@@ -33,6 +33,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from hf_dp_repr.data.gguf_models import description
 from hf_dp_repr.data.user_data import warn_row_level_users
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
         model_name=f"{margs.model_name_or_path} chat-tuned on {ru.data_description(margs)}",
         base_model=None if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path,
         base_model_description=("a 2-block Llama-style model built from a config (random init)"
-                                if ru.is_tiny(margs.model_name_or_path) else margs.model_name_or_path),
+                                if ru.is_tiny(margs.model_name_or_path) else description(margs.model_name_or_path)
+                                or margs.model_name_or_path),
         private_data=f"{len(train)} conversations of the '{margs.train_split}' split of {ru.data_description(margs)}; "
                      f"{unit} "
                      "is one unit of privacy",
@@ -140,9 +142,11 @@ def _base_of(out: str):
     from peft import PeftConfig
     from transformers import AutoModelForCausalLM
 
+    from hf_dp_repr.data import resolve_model_path
+
     base = PeftConfig.from_pretrained(out).base_model_name_or_path  # saved as a name, or relative to out
     return AutoModelForCausalLM.from_pretrained(os.path.join(out, base) if os.path.isdir(os.path.join(out, base))
-                                                else base)
+                                                else resolve_model_path(base))  # (a GGUF model: its cached folder)
 
 
 def load_saved(out: str):

