@@ -47,8 +47,12 @@ def test_every_recipe_shares_one_base_and_repeats_no_shared_field():
 
 def test_public_fraction_default_depends_on_whether_the_model_is_pretrained():
     args = arguments.PublicPretrainingArguments()
-    assert args.resolved_public_fraction(tiny=True) == 0.5 and args.resolved_public_fraction(tiny=False) == 0.0
-    assert arguments.PublicPretrainingArguments(public_fraction=0.2).resolved_public_fraction(tiny=True) == 0.2
+    assert args.resolved_public_fraction(tiny=True, embedded=True) == 0.5  # the offline demo
+    assert args.resolved_public_fraction(tiny=False, embedded=False) == 0.0
+    given = arguments.PublicPretrainingArguments(public_fraction=0.2)
+    assert given.resolved_public_fraction(tiny=True, embedded=False) == 0.2
+    with pytest.raises(arguments.RecipeArgumentError, match="--public_fraction"):  # the user's own data: never taken
+        args.resolved_public_fraction(tiny=True, embedded=False, model="tiny_vit")
 
 
 def test_yaml_lists_booleans_and_nulls_become_arguments(tmp_path):

@@ -40,6 +40,15 @@ FAMILY_DEFAULTS = {
     "deit": (IMAGENET_MEAN, IMAGENET_STD, None, "DeiT"),
     "vit": (HALF, HALF, None, "ViT (google/vit-*)"),
 }
+# model types whose embeddings interpolate the position embeddings to the input's size in every forward: they take
+# any image size (DINOv2 was pre-trained at 518 px, its config's image_size, and is used at 224 px). A ViT does only
+# when `interpolate_pos_encoding=True` is passed to forward, which the Trainer's batches do not: not listed.
+ANY_SIZE_MODEL_TYPES = ("dinov2", "dinov2_with_registers")
+
+
+def takes_any_image_size(config) -> bool:
+    """Whether a model of `config` runs on images of any size (it interpolates its position embeddings)."""
+    return getattr(config, "model_type", None) in ANY_SIZE_MODEL_TYPES
 
 
 # ---- arrays and subsets ---------------------------------------------------------------------------------------
@@ -145,7 +154,27 @@ def image_processor_for(name_or_path: str, config, *, pretrained: bool = True, i
         processor = _resize_normalize(size, processor.image_mean if image_mean is None else image_mean,
                                       processor.image_std if image_std is None else image_std)
         source += ", with --image_size/--image_mean/--image_std applied"
+    processor, source = _match_channels(processor, source, getattr(config, "num_channels", None),
+                                        given=image_mean is not None or image_std is not None)
     return processor, f"{describe(processor)}, from {source}"
+
+
+def _match_channels(processor, source: str, channels: int | None, given: bool):
+    """A mean/std of one value per channel of the model: a 3-channel default for a 1-channel model becomes one value
+    (the average, as the image is converted to grey), said in `source`; a mean/std the user gave of another length is
+    refused (transformers would raise a ValueError at the first image)."""
+    mean, std = list(processor.image_mean), list(processor.image_std)
+    if channels is None or (len(mean) == channels and len(std) == channels):
+        return processor, source
+    if given:
+        raise DPConfigError(f"--image_mean {mean} / --image_std {std}: the model takes {channels} channel(s) "
+                            f"(config.num_channels); give {channels} value(s) each.")
+    if channels != 1:
+        raise DPConfigError(f"the image processor's mean/std have {len(mean)} values but the model takes {channels} "
+                            "channels (config.num_channels): pass --image_mean/--image_std with one value per channel.")
+    size = processor.size.get("height") or processor.size.get("shortest_edge")
+    one = _resize_normalize(size, [sum(mean) / len(mean)], [sum(std) / len(std)])
+    return one, source + ", averaged to 1 channel (the model takes 1 channel; images converted to grey)"
 
 
 def _resize_normalize(size: int, mean, std):

@@ -76,8 +76,8 @@ class PublicPretrainingArguments:
 
     public_fraction: float | None = field(default=None, metadata={
         "help": "Share of the training split used as PUBLIC data: the model is first trained on it non-privately, "
-                "then DP fine-tuned on the disjoint rest. Default: 0.5 for a tiny config (no pretrained weights), "
-                "0 (no public data) otherwise."})
+                "then DP fine-tuned on the disjoint rest. Default: 0 (no public data), except 0.5 for a tiny config "
+                "(no pretrained weights) on the embedded default data; a tiny config on your own data needs it."})
     public_epochs: float = field(default=40, metadata={"help": "Epochs of the non-private public pre-training."})
     public_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the public pre-training."})
     public_batch_size: int = field(default=32, metadata={"help": "Batch size of the public pre-training."})
@@ -92,9 +92,19 @@ class PublicPretrainingArguments:
         "help": "Where the publicly pre-trained model is saved (default: <output_dir>/public_pretrained); reused "
                 "when it holds a model pre-trained with the same settings."})
 
-    def resolved_public_fraction(self, tiny: bool) -> float:
-        """`public_fraction`, or its default: 0.5 for a randomly initialised tiny config, else 0."""
-        return self.public_fraction if self.public_fraction is not None else (0.5 if tiny else 0.0)
+    def resolved_public_fraction(self, tiny: bool, embedded: bool, model: str = "") -> float:
+        """`public_fraction`, or its default: 0.5 for a randomly initialised tiny config on the embedded default data
+        (the offline demo), else 0. A tiny config on the user's own data without `--public_fraction` is refused: part
+        of their dataset is never taken as public (trained on without DP) unless they say so."""
+        if self.public_fraction is not None:
+            return self.public_fraction
+        if tiny and not embedded:
+            raise RecipeArgumentError(
+                f"--model_name_or_path {model} is randomly initialised and no public data is given (no part of your "
+                "dataset is used without DP unless you say so): pass a pretrained --model_name_or_path (pre-trained on "
+                "a public dataset), or --public_fraction F to pre-train WITHOUT DP on that share of your training "
+                "split.")
+        return 0.5 if tiny else 0.0
 
 
 @dataclass

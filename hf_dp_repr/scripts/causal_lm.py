@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     repr_compare.check_arguments(margs, targs)
     by_document = document_level(targs, margs.given_options)
     name = margs.model_name_or_path
-    public_fraction = margs.resolved_public_fraction(ru.is_tiny(name))
+    embedded = embedded_name(ru.dataset_name(margs) or "") is not None  # the shipped demo text, not the user's
+    public_fraction = margs.resolved_public_fraction(ru.is_tiny(name), embedded, name)
 
     docs, held_out = load_documents(margs, targs.seed)
     public_docs, private_docs = (None, docs["train"]) if public_fraction == 0 else ru.split_public_private(

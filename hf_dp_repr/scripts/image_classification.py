@@ -44,6 +44,7 @@ from hf_dp_repr.data.images import (
     per_class_indices,
     read_index_file,
     shift_images,
+    takes_any_image_size,
     to_pixel_values,
 )
 from hf_dp_repr.data.model_files import explained_load_errors
@@ -52,7 +53,7 @@ from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.metrics import accuracy_metrics
 from hf_dp_repr.scope.preconditioning import parse_preconditioning
-from hf_dp_repr.scripts import checks, recipe_report
+from hf_dp_repr.scripts import checks, dp_defaults, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import AnalysisArguments, ClassificationArguments, PublicPretrainingArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments
@@ -107,10 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (accuracy, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     targs.remove_unused_columns = False  # the collator below picks the columns
+    model_name = margs.model_name_or_path
+    public_fraction = margs.resolved_public_fraction(ru.is_tiny(model_name), ru.dataset_name(margs) == DIGITS,
+                                                     model_name)
 
     data, image_col, label_col, data_notes = load_image_data(margs, targs.seed)
     source = data["train"]._fingerprint  # the training split as selected, before preprocessing and splitting
-    model_name = margs.model_name_or_path
     num_labels, id2label = checks.class_names(
         data["train"], label_col, margs.num_labels, others=[data["eval"]],
         model_id2label=None if ru.is_tiny(model_name) else checks.model_config_labels(model_name))
@@ -118,9 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
     data, processor = _with_pixel_values(data, margs, model, image_col, label_col)
     collate = _collate
 
-    public_fraction = margs.resolved_public_fraction(ru.is_tiny(model_name))
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
+    blank = {"pixel_values": torch.zeros_like(torch.as_tensor(train[0]["pixel_values"]))[None]}  # a grey image
+    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info, model, blank)  # what the user did not set
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
@@ -250,6 +254,11 @@ def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col)
         image_processor=margs.image_processor, image_size=margs.image_size, image_mean=margs.image_mean,
         image_std=margs.image_std)
     logger.info("image preprocessing: %s", how)
+    size, want = processor.size.get("height"), getattr(model.config, "image_size", None)
+    if size and isinstance(want, int) and size != want and not takes_any_image_size(model.config):
+        raise RecipeArgumentError(f"--image_size {size}: {margs.model_name_or_path} takes {want}-px images "
+                                  "(config.image_size) and does not interpolate its position embeddings; drop "
+                                  f"--image_size or pass {want}.")
     out = {k: to_pixel_values(ds, image_col, processor, model.config.num_channels, desc=f"preprocessing {k} images")
            for k, ds in data.items()}
     return out, processor

@@ -41,9 +41,11 @@ class ProgressLines(TrainerCallback):
             self.log(f"{self.what}: epoch {epoch}/{args.num_train_epochs:g}{loss} ({time.time() - self.start:.0f} s)")
 
 
-def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = None) -> str:
-    """A short Markdown table: the held-out metrics, ε spent / target, δ, DP steps and σ, private examples (from the
-    run's `PrivacyLedger` and its plan)."""
+def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = None,
+                 public_fraction: float = 0.0) -> str:
+    """A short Markdown table: the held-out metrics, ε spent / target, δ, DP steps and σ, the examples trained on with
+    DP (from the run's `PrivacyLedger` and its plan) and, when `public_fraction` of the training split was used as
+    public data, that it was trained on without DP."""
     rows, plan = [], ledger.plan
     if "eval_accuracy" in metrics:
         rows.append((f"{eval_split} accuracy", f"{100 * metrics['eval_accuracy']:.1f} %"))
@@ -64,8 +66,12 @@ def result_table(metrics: dict, ledger, eval_split: str, extra: dict | None = No
     rows.append(("DP steps", f"{ledger.steps_done} of {plan.planned_steps} (σ = {sigmas}, "
                              f"q = {plan.phases[-1].sample_rate:.4f}, accountant {plan.accountant})"))
     unit = plan.privacy_unit
-    rows.append(("private examples", f"{plan.dataset_size}") if unit == "row" else
-                ("private units", f"{plan.dataset_size} (a unit: all rows sharing a {unit})"))
+    part = f" (the {1 - public_fraction:.0%} of the training split not used as public data)" if public_fraction else ""
+    rows.append(("examples trained with DP", f"{plan.dataset_size}{part}") if unit == "row" else
+                ("units trained with DP", f"{plan.dataset_size} (a unit: all rows sharing a {unit}){part}"))
+    if public_fraction:
+        rows.append(("public data, no DP", f"{public_fraction:.0%} of the training split, trained on WITHOUT DP "
+                                           "(--public_fraction)"))
     rows += list((extra or {}).items())
     width = max(len(k) for k, _ in rows)
     return "\n".join(["| result | value |", "|---|---|"]

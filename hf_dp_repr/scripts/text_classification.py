@@ -42,7 +42,7 @@ from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.data.user_data import check_column, encode_labels
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.metrics import accuracy_metrics
-from hf_dp_repr.scripts import checks, recipe_report
+from hf_dp_repr.scripts import checks, dp_defaults, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import ClassificationArguments
 from hf_dp_repr.training.arguments import DPTrainingArguments
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
         model.config.pad_token_id = tokenizer.pad_token_id
 
     train, evals = (tokenized(ds, tokenizer, text_col, label_col, margs.max_length) for ds in (train, evals))
+    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info, model,  # what the user did not set
+                        dp_defaults.blank_text(tokenizer))  # the head's input scale on an empty text
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     card_info = ModelCardInfo(

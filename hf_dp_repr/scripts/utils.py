@@ -168,7 +168,8 @@ def finish_run(trainer, train_result, model_args, *, push: bool = False, extra_m
     needed = trainer.is_world_process_zero() or getattr(trainer, "sharded", False)
     extra = extra_rows(trainer) if callable(extra_rows) and needed else None
     if trainer.is_world_process_zero():
-        table = recipe_report.result_table(metrics, trainer.ledger, getattr(model_args, "eval_split", "eval"), extra)
+        table = recipe_report.result_table(metrics, trainer.ledger, getattr(model_args, "eval_split", "eval"), extra,
+                                           public_fraction=(split or {}).get("public_fraction", 0.0))
         print(f"\n{table}\n(output: {trainer.args.output_dir})", flush=True)
     return metrics
 

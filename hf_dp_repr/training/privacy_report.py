@@ -85,6 +85,44 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
         lines.append(describe_trainable(model, trained_params(i), phase.noise_multiplier,
                                         led.per_sample_max_grad_norm, phase.expected_batch_size, stack))
     logger.info("\n".join(lines))
+    for i, phase in enumerate(led.phases):
+        warn_if_noise_drowns_updates(phase, sum(p.numel() for p in trained_params(i)))
+
+
+# The expected signal-to-noise of an update below which training is warned it will likely not learn: the largest
+# norm the averaged clipped gradient can have (C) over the norm of its noise (σ·C·√P/B), i.e. B / (σ·√P).
+# Calibrated in benchmarks/RESULTS.md ("DP-aware defaults"): DP linear probes learned (well above the majority class)
+# down to 0.018 with a suited learning rate, none at 0.01 or below; the issue's run (B = 8, all of MiniLM): 0.0026.
+LOW_UPDATE_SNR = 0.01
+
+
+def update_snr(expected_batch: int, noise_multiplier: float, trained_parameters: int) -> float:
+    """C over the noise norm of the averaged update: B / (σ·√P) (∞ without noise). At most this share of a step is
+    signal, when every example's clipped gradient points the same way.
+
+        >>> update_snr(100, 2.0, 2500)  # noise norm 2·C·50/100 = C
+        1.0
+        >>> round(update_snr(8, 0.6345, 22_713_606), 4)  # the issue's case: B = 8, all of MiniLM, noise norm 378·C
+        0.0026
+    """
+    if noise_multiplier == 0:
+        return float("inf")
+    return expected_batch / (noise_multiplier * max(trained_parameters, 1) ** 0.5)
+
+
+def warn_if_noise_drowns_updates(phase, trained_parameters: int) -> None:
+    """Warn before training when a phase's expected update SNR (`update_snr`) is below `LOW_UPDATE_SNR`, naming the
+    fixes (the check a budget passes that `plan.check_signal_survives` lets through)."""
+    snr = update_snr(phase.expected_batch_size, phase.noise_multiplier, trained_parameters)
+    if snr >= LOW_UPDATE_SNR:
+        return
+    logger.warning(
+        f"DPTrainer: phase '{phase.name}': the noise of an averaged update has {1 / snr:.3g}× the norm the clipped "
+        f"signal can have (expected batch B = {phase.expected_batch_size}, σ = {phase.noise_multiplier:.3g}, "
+        f"{trained_parameters:,} trained parameters; signal-to-noise B/(σ·√P) = {snr:.2g} < {LOW_UPDATE_SNR:g}): "
+        "training will likely not learn. Fixes: a larger expected batch (per_device_train_batch_size × "
+        "gradient_accumulation_steps, hundreds or more), fewer trained parameters (trainable_blocks=0, a linear "
+        "probe; or LoRA), or a larger target_epsilon. The recipes choose such settings when you leave them unset.")
 
 
 def announce_spent(ledger: PrivacyLedger | None) -> None:

@@ -1,0 +1,185 @@
+"""DP-aware defaults of the classification recipes: the training hyperparameters the user did not set, chosen by one
+rule from public quantities only (the number n of private examples, ε, whether the model is pretrained), never from
+the private data. Every option the user set (on the command line or in `--config`) wins; the rule fills in the
+others, knowing what was set (a learning rate given keeps the scope, optimizer and clipping it was chosen with: the
+library's, every parameter trains; that is also how to ask for full fine-tuning). The plan prints what was chosen
+and why.
+
+The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measured in benchmarks/RESULTS.md,
+"DP-aware defaults", with `benchmarks/dp_defaults.py`):
+
+- What trains: a linear probe (`trainable_blocks=0`) on a pretrained model (or one pre-trained on public data): the
+  frozen backbone's features are computed once and only the head trains, so steps are cheap and the noise is spread
+  over few coordinates (Tobaben et al. 2023, Mehta et al. 2023: probes win at small n and ε). A model without
+  pretrained weights is refused earlier (`PublicPretrainingArguments.resolved_public_fraction`).
+- Expected batch: large, since the noise of an averaged update is σC/B and σ grows more slowly than B (Sander et al.
+  2023): a quarter of the data, `PROBE_SAMPLE_RATE`, capped at `MAX_BATCH`; a scope with blocks in it (the user's
+  `--trainable_blocks k`) accumulates micro-batches of `MICRO_BATCH`.
+- Steps: `PROBE_EPOCHS` epochs for a probe (160 steps at q = 1/4); `FINE_TUNE_EPOCHS` when blocks train.
+- Optimizer: plain SGD for a probe, with a learning rate that grows with ε (the best learning rate × steps grows about
+  linearly with ε: Panda et al. 2024) and is divided by the norm s of the head's input on a data-free input (a grey
+  image, an empty text: a property of the public weights; a step moves the logits by about lr·C·s, and s is ~70 for
+  DINOv2-S, ~1.2 for MiniLM), capped; a zero-initialised head (known to help under DP); automatic clipping (each
+  example's gradient scaled to norm about C, Bu et al. 2023; it helped at ε ≤ 1 in the measurements). AdamW at
+  `FINE_TUNE_LR` when blocks train (Li et al. 2022's large-batch DP fine-tuning).
+
+    >>> from hf_dp_repr.scripts.dp_defaults import choose
+    >>> chosen = choose(n=1000, epsilon=8.0, given=set())
+    >>> chosen.values["trainable_blocks"], chosen.values["per_device_train_batch_size"], chosen.values["optim"]
+    (0, 250, 'sgd')
+    >>> choose(n=1000, epsilon=8.0, given={"trainable_blocks", "learning_rate"}).values.get("learning_rate") is None
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The options the rule sets. Any of them given by the user is kept as given.
+TRAINING_HYPERPARAMETERS = ("trainable_blocks", "per_device_train_batch_size", "gradient_accumulation_steps",
+                            "num_train_epochs", "optim", "learning_rate", "head_init", "clipping")
+# Options that choose what trains: given any of them, the rule leaves the scope alone (and does not zero the head).
+SCOPE_OPTIONS = ("trainable_blocks", "trainable_groups", "lp_steps")
+STEP_OPTIONS = ("num_train_epochs", "max_steps")
+
+PROBE_SAMPLE_RATE = 0.25  # expected batch = q·n ...
+MIN_BATCH, MAX_BATCH = 16, 1024  # ... within these bounds (and at most n)
+MICRO_BATCH = 32  # examples per forward/backward when blocks train (the rest is gradient accumulation)
+PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
+# SGD learning rate of a probe: 0.9·ε / s, at most 8 / s, where s is the norm of the head's input on a data-free
+# input (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
+PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.9, 8.0
+FINE_TUNE_LR = 5e-4  # AdamW, when blocks train
+ADAM_PROBE_LR = 0.05  # a probe with an Adam-type --optim the user gave
+
+
+@dataclass
+class Defaults:
+    """What the rule chose (`values`: option → value) and why (`reasons`: one line per choice)."""
+
+    values: dict = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+
+    def set(self, name: str, value, why: str) -> None:
+        self.values[name] = value
+        self.reasons.append(f"--{name} {value}: {why}")
+
+    def describe(self) -> str:
+        if not self.values:
+            return "DP-aware defaults: none applied (every training hyperparameter was given)"
+        return ("DP-aware defaults (hf_dp_repr.scripts.dp_defaults; from n, ε and the model only; any option you give "
+                "wins):\n  " + "\n  ".join(self.reasons))
+
+
+def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int | None = None,
+           gradient_accumulation_steps: int = 1, world_size: int = 1, optim: str = "adamw_torch",
+           feature_norm: float | None = None) -> Defaults:
+    """The values of the `TRAINING_HYPERPARAMETERS` not in `given`, for `n` private examples (units) at `epsilon`
+    (None: σ given or an attack target: the learning rate of ε = 1); `trainable_blocks`, `gradient_accumulation_steps`,
+    `world_size`, `optim`: the run's, read when given; `feature_norm`: `head_input_norm` of the model (None: 1)."""
+    out = Defaults()
+    # a learning rate given was chosen for the library's scope (every parameter), optimizer and clipping: kept
+    scope_given = bool(given & {*SCOPE_OPTIONS, "learning_rate"})
+    probe = (trainable_blocks == 0) if scope_given else True
+    if not scope_given:
+        out.set("trainable_blocks", 0, "a linear probe on the frozen pretrained backbone, its features computed once: "
+                                       "the noise falls on the head's few coordinates")
+    if probe and "head_init" not in given and not scope_given:
+        out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
+    lr_given = "learning_rate" in given
+    if probe and not given & {"clipping", "learning_rate"}:
+        out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023): examples "
+                                         "the head already fits still count, which helped at small ε")
+    batch = max(MIN_BATCH, min(MAX_BATCH, round(PROBE_SAMPLE_RATE * n)))
+    batch = min(batch, n)
+    if "per_device_train_batch_size" not in given:
+        accumulation = gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1
+        if not probe and "gradient_accumulation_steps" not in given and batch > MICRO_BATCH:
+            accumulation = max(1, batch // MICRO_BATCH)
+            out.set("gradient_accumulation_steps", accumulation, f"micro-batches of {MICRO_BATCH} when blocks train")
+        per_device = max(1, min(MICRO_BATCH if not probe else batch,
+                                batch // (max(accumulation, 1) * max(world_size, 1))))
+        out.set("per_device_train_batch_size", per_device,
+                f"expected batch {per_device * max(accumulation, 1) * max(world_size, 1)} of n = {n} "
+                f"(q ≈ {PROBE_SAMPLE_RATE:g}, within {MIN_BATCH}-{MAX_BATCH}): the update's noise is σC/B and σ grows "
+                "more slowly than B")
+    if not given & set(STEP_OPTIONS):
+        epochs = PROBE_EPOCHS if probe else FINE_TUNE_EPOCHS
+        out.set("num_train_epochs", epochs, f"about {epochs * max(1, n // batch)} steps; "
+                + ("a probe's steps are cheap on cached features" if probe else "each step runs the trained blocks"))
+    if not given & {"optim", "learning_rate"}:
+        out.set("optim", "sgd" if probe else "adamw_torch",
+                "plain SGD for a probe (Adam would rescale every coordinate's noise to a full step)" if probe else
+                "AdamW for blocks (large-batch DP fine-tuning, Li et al. 2022)")
+    if not lr_given:
+        sgd = (optim if "optim" in given else out.values["optim"]) == "sgd"
+        if sgd:
+            scale = feature_norm or 1.0
+            lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0)) / scale
+            out.set("learning_rate", float(f"{lr:.3g}"),
+                    f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the norm of the "
+                    "head's input on a data-free input: the best learning rate grows about linearly with ε, and a "
+                    "step moves the logits by about lr·C·s")
+        else:
+            lr = FINE_TUNE_LR if not probe else ADAM_PROBE_LR
+            out.set("learning_rate", lr, "Adam's step under DP noise, with a large batch" if not probe else
+                    "an Adam-type probe's (recipes/configs/minilm_stdlib_topics_eps8.yaml)")
+    return out
+
+
+def apply(training_args, defaults: Defaults) -> None:
+    """Set the chosen values on `training_args` (a `DPTrainingArguments`), as parsing would have."""
+    from transformers.training_args import OptimizerNames
+
+    for name, value in defaults.values.items():
+        setattr(training_args, name, OptimizerNames(value) if name == "optim" else value)
+
+
+def fill_in(training_args, n: int, given: set[str], log, model=None, blank_inputs: dict | None = None) -> Defaults:
+    """What a recipe calls before its checks: choose the defaults for the `n` private examples (with the feature
+    scale of `model` on `blank_inputs`, a data-free batch of one), set them on `training_args`, and `log` what was
+    chosen and why."""
+    args = training_args
+    scale = head_input_norm(model, blank_inputs) if model is not None and blank_inputs is not None else None
+    defaults = choose(n, args.target_epsilon, given, args.trainable_blocks, args.gradient_accumulation_steps,
+                      args.world_size, getattr(args.optim, "value", args.optim), scale)
+    apply(args, defaults)
+    log(defaults.describe())
+    return defaults
+
+
+def head_input_norm(model, blank_inputs: dict) -> float:
+    """The L2 norm of what the model's task head reads, on `blank_inputs`: a data-free batch of one (an all-zero
+    `pixel_values`, i.e. the normalisation mean's grey image; the tokenization of an empty text). A public quantity:
+    it depends on the pretrained weights only. The model is run in eval mode, without gradients, and left as found.
+
+        >>> from hf_dp_repr.tiny import tiny_vit
+        >>> import torch
+        >>> head_input_norm(tiny_vit(num_labels=2), {"pixel_values": torch.zeros(1, 1, 8, 8)}) > 0
+        True
+    """
+    import torch
+
+    from hf_dp_repr.scope.blocks import head_modules
+
+    head = head_modules(model)[0][1]
+    seen = []
+    hook = head.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(**blank_inputs)
+    finally:
+        hook.remove()
+        model.train(training)
+    return float(seen[0].float().reshape(-1, seen[0].shape[-1]).norm(dim=-1).mean())
+
+
+def blank_text(tokenizer) -> dict:
+    """The data-free text input of `head_input_norm`: an empty text's tokens (its special tokens), or the pad token
+    alone for a tokenizer that adds none (GPT-2's)."""
+    import torch
+
+    ids = tokenizer("")["input_ids"] or [tokenizer.pad_token_id]
+    return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}

@@ -1,0 +1,112 @@
+"""A user's first own run (issue 40.2, 40.3): nothing private is used without DP unless the user says so, the result
+table says what was trained with DP, and the DP-aware defaults (hf_dp_repr.scripts.dp_defaults)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hf_dp_repr import DPTrainingArguments
+from hf_dp_repr.errors import RecipeArgumentError
+from hf_dp_repr.scripts import image_classification as image_recipe
+from hf_dp_repr.scripts import recipe_report
+from hf_dp_repr.training.plan import plan_run
+
+
+def _npz(path, n=40):
+    rng = np.random.default_rng(0)
+    np.savez(path, x_train=rng.integers(0, 255, (n, 8, 8, 3), dtype=np.uint8), y_train=np.arange(n) % 2,
+             x_test=rng.integers(0, 255, (6, 8, 8, 3), dtype=np.uint8), y_test=np.arange(6) % 2,
+             class_names=np.array(["a", "b"]))
+    return str(path)
+
+
+def test_a_random_init_model_on_your_own_data_is_refused_in_one_line(tmp_path, capsys):
+    """The default tiny ViT (random init) on the user's images took half of them as public data, trained on without
+    DP; now refused before any work, naming the three fixes; with --public_fraction it runs as asked."""
+    from hf_dp_repr.cli import main
+
+    out = tmp_path / "out"
+    code = main(["train", "image", "--dataset_name", _npz(tmp_path / "mine.npz"), "--output_dir", str(out),
+                 "--target_epsilon", "8", "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert all(f in err for f in ("--model_name_or_path", "public dataset", "--public_fraction")), err
+    assert not out.exists()
+
+
+def test_the_result_table_says_what_was_trained_with_dp_and_what_without():
+    args = DPTrainingArguments(output_dir="/tmp/t", target_epsilon=8, target_delta=1e-4, max_steps=3,
+                               per_device_train_batch_size=16, report_to="none")
+    ledger = SimpleNamespace(plan=plan_run(args, 160), steps_done=3)
+    table = recipe_report.result_table({"eval_accuracy": 0.5, "epsilon": 7.9}, ledger, "test", public_fraction=0.5)
+    assert "| examples trained with DP" in table and "160 (the 50% of the training split not used as public" in table
+    assert "50% of the training split, trained on WITHOUT DP" in table
+    assert "public" not in recipe_report.result_table({"epsilon": 7.9}, ledger, "test")  # no public data: no row
+
+
+def test_the_image_recipe_still_refuses_before_reading_the_data(tmp_path):
+    with pytest.raises(RecipeArgumentError, match="randomly initialised"):
+        image_recipe.main(["--dataset_name", str(tmp_path / "none.npz"), "--output_dir", str(tmp_path / "o"),
+                           "--target_epsilon", "8", "--report_to", "none"])
+
+
+# ---- DP-aware defaults ---------------------------------------------------------------------------------------------
+def test_the_rule_chooses_a_probe_with_a_large_batch_from_public_quantities_only():
+    from hf_dp_repr.scripts.dp_defaults import choose
+
+    chosen = choose(n=228, epsilon=8.0, given=set()).values
+    assert chosen == {"trainable_blocks": 0, "head_init": "zeros", "clipping": "automatic",
+                      "per_device_train_batch_size": 57, "num_train_epochs": 40, "optim": "sgd", "learning_rate": 7.2}
+    assert choose(n=100_000, epsilon=1.0, given=set()).values["per_device_train_batch_size"] == 1024  # capped
+    assert choose(n=1000, epsilon=1.0, given=set()).values["learning_rate"] == 0.9  # grows with ε
+    assert choose(n=1000, epsilon=100.0, given=set()).values["learning_rate"] == 8.0  # capped
+    assert choose(n=1000, epsilon=8.0, given=set(), feature_norm=72.0).values["learning_rate"] == 0.1  # DINOv2's
+
+
+def test_every_explicit_flag_wins_and_the_rest_follows_it():
+    from hf_dp_repr.scripts.dp_defaults import choose
+
+    given = {"per_device_train_batch_size", "learning_rate", "max_steps"}
+    chosen = choose(n=1000, epsilon=8.0, given=given).values
+    assert not given & set(chosen) and "num_train_epochs" not in chosen  # max_steps given: no epochs chosen
+    assert not {"optim", "clipping", "trainable_blocks"} & set(chosen)  # a given lr keeps what it was tuned with
+    blocks = choose(n=1000, epsilon=8.0, given={"trainable_blocks"}, trainable_blocks=2).values
+    assert "trainable_blocks" not in blocks and "head_init" not in blocks
+    assert (blocks["optim"], blocks["learning_rate"], blocks["num_train_epochs"]) == ("adamw_torch", 5e-4, 10)
+    assert blocks["per_device_train_batch_size"] * blocks["gradient_accumulation_steps"] == 224  # micro-batches of 32
+    assert choose(n=1000, epsilon=8.0, given={"optim"}, optim="sgd").values["learning_rate"] == 7.2
+    assert choose(n=1000, epsilon=8.0, given={"optim"}, optim="adamw_torch").values["learning_rate"] == 0.05
+
+
+def test_the_recipe_applies_the_defaults_says_why_and_keeps_a_given_flag(tmp_path, caplog):
+    import json
+    import logging
+
+    argv = ["--dataset_name", _npz(tmp_path / "mine.npz", n=80), "--public_fraction", "0.5", "--public_epochs", "1",
+            "--target_epsilon", "8", "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none",
+            "--disable_tqdm", "true"]
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        image_recipe.main(argv + ["--output_dir", str(tmp_path / "a")])
+    assert "DP-aware defaults" in caplog.text and "--trainable_blocks 0: a linear probe" in caplog.text
+    plan = json.loads((tmp_path / "a" / "privacy_ledger.json").read_text())
+    assert plan["phases"][0]["expected_batch_size"] == 16 and plan["phases"][0]["steps"] == 40 * 2  # n = 40 private
+    image_recipe.main(argv + ["--output_dir", str(tmp_path / "b"), "--per_device_train_batch_size", "4"])
+    plan = json.loads((tmp_path / "b" / "privacy_ledger.json").read_text())
+    assert plan["phases"][0]["expected_batch_size"] == 4  # the user's flag wins
+
+
+def test_a_hopeless_update_snr_is_warned_before_training_naming_the_fixes(caplog):
+    import logging
+
+    from hf_dp_repr.privacy.ledger import Phase
+    from hf_dp_repr.training.privacy_report import LOW_UPDATE_SNR, warn_if_noise_drowns_updates
+
+    with caplog.at_level(logging.WARNING):
+        warn_if_noise_drowns_updates(Phase("train", 0.6345, 8 / 228, 86, 8), 22_713_606)  # the issue's run
+    assert "378× the norm" in caplog.text and "trainable_blocks=0" in caplog.text and "larger expected batch" in \
+        caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_if_noise_drowns_updates(Phase("train", 3.76, 0.25, 160, 102), 384 * 6 + 6)  # the defaults' probe
+    assert not caplog.text and LOW_UPDATE_SNR > 0.0026
