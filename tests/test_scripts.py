@@ -162,11 +162,16 @@ def test_every_shipped_config_parses():
     import yaml
 
     for cfg in sorted((ROOT / "recipes" / "configs").glob("*.yaml")):
-        named = re.findall(r"recipes/(dp_\w+)\.py", cfg.read_text())  # its recipe is named last; demo: image
+        # its recipe: the command (recipe file or `hf-dp-repr train X`) that reads it, else the recipe named last;
+        # none: the demo's image recipe
+        named = re.findall(r"(?:recipes/(dp_\w+)\.py|hf-dp-repr (?:train )?(\w+)) --config recipes/configs/"
+                           + re.escape(cfg.name), cfg.read_text())
         by_file = {"dp_image_classification": image_recipe, "dp_causal_lm": lm_recipe,
                    "dp_text_classification": text_recipe, "dp_sft": "sft", "dp_dpo": "dpo",
-                   "dp_synthetic_text": "synth"}
-        recipe = by_file[named[-1]] if named else image_recipe
+                   "dp_synthetic_text": "synth", "image": image_recipe, "lm": lm_recipe, "text": text_recipe,
+                   "sft": "sft", "dpo": "dpo", "synth": "synth"}
+        named = [f or c for f, c in named] or re.findall(r"recipes/(dp_\w+)\.py", cfg.read_text())[-1:]
+        recipe = by_file[named[0]] if named else image_recipe
         if isinstance(recipe, str):  # (the TRL recipes import trl: only when their config is read)
             recipe = importlib.import_module(f"hf_dp_repr.scripts.{recipe}")
         values = yaml.safe_load(cfg.read_text())
