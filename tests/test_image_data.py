@@ -68,7 +68,7 @@ def test_unknown_family_is_normalised_with_a_warning_that_asks_for_the_values(tm
 
 def test_preprocessing_is_a_map_so_the_probe_may_cache(tmp_path, recwarn, capfd):
     data = load_npz(str(_npz(tmp_path)), num_labels=3)
-    proc, _ = image_processor_for("tiny_vit", tiny_vit().config, pretrained=False, image_size=16)
+    proc, _ = image_processor_for("tiny_vit", tiny_vit(num_channels=3).config, pretrained=False, image_size=16)
     out = to_pixel_values(data["train"], "img", proc)
     assert data_reason_not_to_cache(out) is None  # a transform would disable feature caching
     assert out[0]["pixel_values"].shape == (3, 16, 16) and "img" not in out.column_names
