@@ -92,7 +92,8 @@ HOW = {
     "seed000_proxy_tuning.py --stage repeats": skip("a benchmark, after the two above"),
     "export OMP_WAIT_POLICY=PASSIVE": short(),
     "seed000_dinov2s_cifar10partial_probe_eps1.yaml": skip(
-        "DINOv2-S on CIFAR-10 from ../shared/data: the seed-000 reproduction test of issue 40 (item 4) runs it"),
+        "DINOv2-S on CIFAR-10 from ../shared/data: run shortened by "
+        "tests/test_pretrained_images.py::test_documented_seed000_reproduction_runs"),
     "analyze --model ../shared/data/dinov2-small-imgfocus": skip(
         "500 CIFAR-10 images through DINOv2-S: minutes on a loaded CPU; a benchmark"),
     # docs/synthetic-text.md
