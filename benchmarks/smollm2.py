@@ -47,14 +47,13 @@ def load(folder: str):
     """(model, tokenizer): a plain folder, or a LoRA run's base with its adapters merged."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+    from hf_dp_repr.data import adapter_base_path
+
+    if (base_path := adapter_base_path(folder)) is None:
         return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-    from peft import PeftConfig, PeftModel
+    from peft import PeftModel
 
-    from hf_dp_repr.data import resolve_model_path
-
-    base = AutoModelForCausalLM.from_pretrained(resolve_model_path(PeftConfig.from_pretrained(folder)
-                                                                   .base_model_name_or_path))
+    base = AutoModelForCausalLM.from_pretrained(base_path)
     return PeftModel.from_pretrained(base, folder).merge_and_unload().eval(), AutoTokenizer.from_pretrained(folder)
 
 

@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
-from hf_dp_repr.data import DIGITS, STDLIB_BLOCKS, STDLIB_PARAGRAPHS, embedded_name, load_embedded, resolve_model_path
+from hf_dp_repr.data import (
+    DIGITS,
+    STDLIB_BLOCKS,
+    STDLIB_PARAGRAPHS,
+    adapter_base_path,
+    embedded_name,
+    load_embedded,
+    resolve_model_path,
+)
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.data.user_data import check_column, encode_labels, load_user_data
 
@@ -58,10 +66,9 @@ def _merged_adapters(folder: str, device: str) -> tuple[torch.nn.Module, Any]:
     """A PEFT adapter folder (the SFT recipe's output) as one model: the base it names (relative to the folder, a
     name `resolve_model_path` knows, or a Hub id) with the adapters merged in, and the folder's tokenizer."""
     import transformers
-    from peft import PeftConfig, PeftModel
+    from peft import PeftModel
 
-    base = PeftConfig.from_pretrained(folder).base_model_name_or_path
-    base = os.path.join(folder, base) if os.path.isdir(os.path.join(folder, base)) else resolve_model_path(base)
+    base = adapter_base_path(folder)
     with explained_load_errors(base):
         model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model = PeftModel.from_pretrained(model, folder).merge_and_unload()

@@ -21,6 +21,7 @@ from .embedded import (
                        STDLIB_MODULES,
                        STDLIB_PARAGRAPHS,
                        STDLIB_TOPICS,
+                       adapter_base_path,
                        byte_tokenize,
                        document_blocks,
                        embedded_name,
@@ -38,6 +39,7 @@ from .embedded import (
 
 __all__ = ["DIGITS", "DIGITS_OFFSET", "DIGITS_PIXEL_MAX", "DIGITS_SCALE", "DOCUMENT_ID", "EMBEDDED_ALIASES",
            "EMBEDDED_DATASETS", "MINILM", "STDLIB_BLOCKS", "STDLIB_MODULES", "STDLIB_PARAGRAPHS", "STDLIB_TOPICS",
-           "byte_tokenize", "document_blocks", "embedded_name", "load_digits_dataset", "load_embedded",
+           "adapter_base_path", "byte_tokenize", "document_blocks", "embedded_name", "load_digits_dataset",
+           "load_embedded",
            "load_stdlib_blocks", "load_stdlib_paragraphs", "load_stdlib_topics", "resolve_model_path",
            "stdlib_docstrings", "stdlib_text", "unique_documents", "unique_paragraphs"]

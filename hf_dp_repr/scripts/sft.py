@@ -139,14 +139,11 @@ def _compare(trainer, margs: SFTArguments) -> dict:
 
 def _base_of(out: str):
     """The weights before any private data: the adapters' base model (a name, or a folder relative to `out`)."""
-    from peft import PeftConfig
     from transformers import AutoModelForCausalLM
 
-    from hf_dp_repr.data import resolve_model_path
+    from hf_dp_repr.data import adapter_base_path
 
-    base = PeftConfig.from_pretrained(out).base_model_name_or_path  # saved as a name, or relative to out
-    return AutoModelForCausalLM.from_pretrained(os.path.join(out, base) if os.path.isdir(os.path.join(out, base))
-                                                else resolve_model_path(base))  # (a GGUF model: its cached folder)
+    return AutoModelForCausalLM.from_pretrained(adapter_base_path(out))
 
 
 def load_saved(out: str):
