@@ -34,8 +34,18 @@ def lora_gpt2():
     return apply_peft_config(tiny_gpt2(), cfg)
 
 
+def vit_at_another_size():
+    """An 8-px ViT run on 12-px images: its position embeddings interpolated (data.images.interpolate_positions)."""
+    from hf_dp_repr.data.images import interpolate_positions
+
+    model = tiny_vit()
+    interpolate_positions(model)
+    return model
+
+
 CASES = {  # name: (model factory, batch factory)
     "vit": (lambda: tiny_vit(), lambda: ({"pixel_values": torch.randn(B, 1, 8, 8)}, torch.arange(B))),
+    "vit_interpolated": (vit_at_another_size, lambda: ({"pixel_values": torch.randn(B, 1, 12, 12)}, torch.arange(B))),
     "gpt2_tied": (lambda: tiny_gpt2(), lambda: token_batch()),
     "bert": (lambda: tiny_bert_classifier(), lambda: token_batch(labels="class")),
     "llama": (lambda: tiny_llama(), lambda: token_batch()),

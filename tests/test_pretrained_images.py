@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_dp_repr.data.images import image_processor_for, takes_any_image_size
+from hf_dp_repr.data.images import image_processor_for, interpolate_positions, takes_any_image_size
 from hf_dp_repr.errors import DPConfigError
 from hf_dp_repr.training.data_checks import check_image_size
 
@@ -40,14 +40,23 @@ def test_documented_seed000_reproduction_runs(tmp_path, monkeypatch):
 
 
 def test_a_model_that_interpolates_takes_the_size_given():
-    """DINOv2 interpolates its position embeddings in every forward: 224-px images pass the start-of-training check
-    of a model whose config says 518 (and the model runs on them); a ViT without interpolation is still refused."""
-    from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
+    """DINOv2 interpolates its position embeddings in every forward, a ViT when its forward is passed
+    `interpolate_pos_encoding` (read from the signature): 224-px images pass the start-of-training check of a DINOv2
+    whose config says 518, 64-px ones that of a 32-px ViT (and the models run on them); a model with fixed-size
+    attention biases and no such flag (LeViT) is still refused."""
+    from transformers import (
+        Dinov2Config,
+        Dinov2ForImageClassification,
+        LevitConfig,
+        LevitForImageClassification,
+        ViTConfig,
+        ViTForImageClassification,
+    )
 
     dinov2 = Dinov2ForImageClassification(Dinov2Config(image_size=518, patch_size=14, hidden_size=32,
                                                        num_hidden_layers=1, num_attention_heads=2,
                                                        intermediate_size=64, num_labels=3))
-    assert takes_any_image_size(dinov2.config)
+    assert takes_any_image_size(dinov2)
     batch = {"pixel_values": torch.randn(2, 3, 224, 224)}
     check_image_size(dinov2, batch)  # no error
     assert dinov2(**batch).logits.shape == (2, 3)
@@ -55,9 +64,40 @@ def test_a_model_that_interpolates_takes_the_size_given():
         check_image_size(dinov2, {"pixel_values": torch.randn(2, 1, 224, 224)})
     vit = ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1,
                                               num_attention_heads=2, intermediate_size=64))
-    assert not takes_any_image_size(vit.config)
+    assert takes_any_image_size(vit)
+    check_image_size(vit, {"pixel_values": torch.randn(2, 3, 64, 64)})  # no error
+    interpolate_positions(vit)
+    assert vit(pixel_values=torch.randn(2, 3, 64, 64)).logits.shape == (2, 2)
+    levit = LevitForImageClassification(LevitConfig(image_size=32, patch_size=16, hidden_sizes=[16, 32, 48],
+                                                    num_attention_heads=[1, 2, 3], depths=[1, 1, 1],
+                                                    key_dim=[8, 8, 8], num_labels=2))
+    assert not takes_any_image_size(levit)
     with pytest.raises(DPConfigError, match="takes"):
-        check_image_size(vit, {"pixel_values": torch.randn(2, 3, 64, 64)})
+        check_image_size(levit, {"pixel_values": torch.randn(2, 3, 48, 48)})
+
+
+def test_a_vit_trains_under_dp_at_another_size_than_its_config():
+    """Exact per-example gradients of every parameter (the interpolated position embeddings included) of an 8-px
+    ViT run on 12-px images, through the Opacus rule (`privacy.modules.embedding`), against one example at a time.
+    Before: 'interpolate_pos_encoding is not supported under DP' (and without the flag, ViT's ValueError)."""
+    from opacus import GradSampleModule
+
+    from hf_dp_repr.privacy.grad_samplers import register_grad_samplers
+    from hf_dp_repr.privacy.loss import per_example_loss
+    from hf_dp_repr.tiny import tiny_vit
+
+    register_grad_samplers()
+    model = tiny_vit(num_labels=3, image_size=8).double()
+    interpolate_positions(model)
+    x, y = torch.randn(4, 1, 12, 10, dtype=torch.double), torch.tensor([0, 1, 2, 0])
+    params = list(model.parameters())
+    one_by_one = [torch.autograd.grad(per_example_loss(model(pixel_values=x[i:i + 1]).logits, y[i:i + 1],
+                                                       shift_labels=False).sum(), params) for i in range(4)]
+    wrapped = GradSampleModule(model, loss_reduction="sum")
+    per_example_loss(wrapped(pixel_values=x).logits, y, shift_labels=False).sum().backward()
+    for j, p in enumerate(params):
+        torch.testing.assert_close(p.grad_sample, torch.stack([g[j] for g in one_by_one]), rtol=1e-7, atol=1e-12)
+    wrapped._close()
 
 
 def test_a_one_channel_model_gets_a_one_channel_normalisation():
@@ -77,22 +117,30 @@ def test_a_one_channel_model_gets_a_one_channel_normalisation():
         image_processor_for("my/vit", config, pretrained=False, image_mean=[0.5, 0.5, 0.5], image_std=[0.5] * 3)
 
 
-def test_another_size_for_a_model_that_does_not_interpolate_is_refused_before_any_work(tmp_path):
-    """A ViT (its position embeddings fixed to config.image_size) with --image_size of another size: refused by the
-    recipe in one line naming --image_size, before preprocessing, instead of at the first training step."""
-    import numpy as np
+def test_a_vit_takes_the_image_size_given(tmp_path):
+    """A 32-px ViT (a local folder, as a pretrained model comes) with --image_size 48: the recipe resizes to 48 px, and
+    the model trains every parameter under DP (its position embeddings interpolated) and evaluates. Before, it was
+    refused: '--image_size 48: ... takes 32-px images'."""
+    import json
 
-    from hf_dp_repr.errors import RecipeArgumentError
+    import numpy as np
+    from transformers import ViTForImageClassification
+
     from hf_dp_repr.scripts import image_classification as image_recipe
     from hf_dp_repr.tiny import tiny_vit
 
-    tiny_vit(num_labels=2, image_size=16, num_channels=3).save_pretrained(tmp_path / "vit")
+    tiny_vit(num_labels=2, image_size=32, patch_size=8, num_channels=3).save_pretrained(tmp_path / "vit")
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "d.npz", x_train=rng.integers(0, 255, (8, 16, 16, 3), dtype=np.uint8), y_train=np.arange(8) % 2,
-             x_test=rng.integers(0, 255, (4, 16, 16, 3), dtype=np.uint8), y_test=np.arange(4) % 2,
+    np.savez(tmp_path / "d.npz", x_train=rng.integers(0, 255, (8, 32, 32, 3), dtype=np.uint8), y_train=np.arange(8) % 2,
+             x_test=rng.integers(0, 255, (4, 32, 32, 3), dtype=np.uint8), y_test=np.arange(4) % 2,
              class_names=np.array(["a", "b"]))
-    with pytest.raises(RecipeArgumentError, match="--image_size 32: .* takes 16-px images"):
-        image_recipe.main(["--model_name_or_path", str(tmp_path / "vit"), "--dataset_name", str(tmp_path / "d.npz"),
-                           "--image_size", "32", "--target_epsilon", "8", "--target_delta", "1e-3",
-                           "--output_dir", str(tmp_path / "o"), "--report_to", "none"])
-    assert not (tmp_path / "o").exists()
+    metrics = image_recipe.main(["--model_name_or_path", str(tmp_path / "vit"), "--dataset_name",
+                                 str(tmp_path / "d.npz"), "--image_size", "48", "--dp_defaults", "off",
+                                 "--per_device_train_batch_size", "4", "--max_steps", "2", "--target_epsilon", "8",
+                                 "--target_delta", "1e-3", "--output_dir", str(tmp_path / "o"), "--report_to", "none",
+                                 "--save_strategy", "no", "--disable_tqdm", "true"])
+    assert 0 <= metrics["eval_accuracy"] <= 1 and 0 < metrics["epsilon"] <= 8
+    assert json.loads((tmp_path / "o" / "privacy_ledger.json").read_text())["steps_done"] == 2
+    before, after = (ViTForImageClassification.from_pretrained(tmp_path / d) for d in ("vit", "o"))
+    moved = (after.vit.embeddings.position_embeddings - before.vit.embeddings.position_embeddings).abs().max()
+    assert moved > 0  # the interpolated position embeddings trained (their DP gradient: privacy.modules.embedding)

@@ -91,7 +91,8 @@ def test_csv_with_string_labels_read_off_the_rows_says_so_and_holds_out_a_test_s
     card = (run / "README.md").read_text()
     assert "was read off the training rows and is published" in card
     assert "18 of the 90 training rows (20%, seed 42) held out for evaluation" in card
-    assert "data: the label set (3 classes" in caplog.text
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("DP-SGD plan"))
+    assert "data: the label set (3 classes" in plan and "data: no 'test' split: 18 of the 90" in plan  # in the plan
     assert cli(["audit", "--run", "out/csv", "--out", "out/csv-audit"]) == 0  # the same rows rebuilt from the file
     report = json.loads((workdir / "out" / "csv-audit" / "privacy_audit.json").read_text())
     assert report["members"] == report["ledger_n"] == 72 and report["non_members"] == 18

@@ -65,12 +65,14 @@ def test_the_rule_chooses_a_probe_with_a_large_batch_from_public_quantities_only
 
 
 def test_every_explicit_flag_wins_and_the_rest_follows_it():
+    """Each option given replaces its own value only: a learning rate given used to turn the whole rule off (scope,
+    optimizer, clipping back to the library's); now the probe, SGD and automatic clipping are still chosen."""
     from hf_dp_repr.scripts.dp_defaults import choose
 
     given = {"per_device_train_batch_size", "learning_rate", "max_steps"}
     chosen = choose(n=1000, epsilon=8.0, given=given).values
     assert not given & set(chosen) and "num_train_epochs" not in chosen  # max_steps given: no epochs chosen
-    assert not {"optim", "clipping", "trainable_blocks"} & set(chosen)  # a given lr keeps what it was tuned with
+    assert (chosen["trainable_blocks"], chosen["optim"], chosen["clipping"]) == (0, "sgd", "automatic")
     blocks = choose(n=1000, epsilon=8.0, given={"trainable_blocks"}, trainable_blocks=2).values
     assert "trainable_blocks" not in blocks and "head_init" not in blocks
     assert (blocks["optim"], blocks["learning_rate"], blocks["num_train_epochs"]) == ("adamw_torch", 5e-4, 10)
@@ -88,7 +90,8 @@ def test_the_recipe_applies_the_defaults_says_why_and_keeps_a_given_flag(tmp_pat
             "--disable_tqdm", "true"]
     with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
         image_recipe.main(argv + ["--output_dir", str(tmp_path / "a")])
-    assert "DP-aware defaults" in caplog.text and "--trainable_blocks 0: a linear probe" in caplog.text
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("DP-SGD plan"))
+    assert "DP-aware defaults" in plan and "--trainable_blocks 0: a linear probe" in plan  # in the plan itself
     plan = json.loads((tmp_path / "a" / "privacy_ledger.json").read_text())
     assert plan["phases"][0]["expected_batch_size"] == 16 and plan["phases"][0]["steps"] == 40 * 2  # n = 40 private
     image_recipe.main(argv + ["--output_dir", str(tmp_path / "b"), "--per_device_train_batch_size", "4"])
@@ -110,3 +113,27 @@ def test_a_hopeless_update_snr_is_warned_before_training_naming_the_fixes(caplog
     with caplog.at_level(logging.WARNING):
         warn_if_noise_drowns_updates(Phase("train", 3.76, 0.25, 160, 102), 384 * 6 + 6)  # the defaults' probe
     assert not caplog.text and LOW_UPDATE_SNR > 0.0026
+
+
+def test_a_learning_rate_given_keeps_the_rest_of_the_rule_and_dp_defaults_off_keeps_the_trainers(tmp_path, caplog):
+    """--learning_rate alone replaces the learning rate only (before, it turned the rule off: every parameter trained
+    with AdamW at the given rate); `--dp_defaults off` is the switch back to the library's and the Trainer's
+    defaults (every parameter trains, batch 8), and the plan says so."""
+    import json
+    import logging
+
+    argv = ["--dataset_name", _npz(tmp_path / "mine.npz", n=80), "--public_fraction", "0.5", "--public_epochs", "1",
+            "--target_epsilon", "8", "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none",
+            "--disable_tqdm", "true", "--learning_rate", "0.3", "--max_steps", "2"]
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        image_recipe.main(argv + ["--output_dir", str(tmp_path / "a")])
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("DP-SGD plan"))
+    assert "--trainable_blocks 0" in plan and "--optim sgd" in plan and "--learning_rate" not in plan
+    assert "trains linear probe: head (classifier)" in plan
+    assert json.loads((tmp_path / "a" / "privacy_ledger.json").read_text())["phases"][0]["expected_batch_size"] == 16
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        image_recipe.main(argv + ["--output_dir", str(tmp_path / "b"), "--dp_defaults", "off"])
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("DP-SGD plan"))
+    assert "DP-aware defaults: off" in plan and "trains all parameters" in plan
+    assert json.loads((tmp_path / "b" / "privacy_ledger.json").read_text())["phases"][0]["expected_batch_size"] == 8

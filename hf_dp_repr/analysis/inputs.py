@@ -26,6 +26,7 @@ from hf_dp_repr.data import (
     load_embedded,
     resolve_model_path,
 )
+from hf_dp_repr.data.images import interpolate_positions
 from hf_dp_repr.data.model_files import explained_load_errors
 from hf_dp_repr.data.user_data import check_column, encode_labels, load_user_data
 
@@ -41,7 +42,8 @@ KNN_MEMORY_WARNING = (
 
 
 def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
-    """(model in eval mode, tokenizer or None), with the architecture class recorded in the config, in float32."""
+    """(model in eval mode, tokenizer or None), with the architecture class recorded in the config, in float32; a ViT
+    interpolates its position embeddings on images of another size (`data.images.interpolate_positions`)."""
     import transformers
 
     path = resolve_model_path(name)
@@ -52,6 +54,7 @@ def load_model(name: str, device: str) -> tuple[torch.nn.Module, Any]:
     model_class = getattr(transformers, arch, None) if arch else None
     with explained_load_errors(path):  # a truncated weights file: name it and the fix
         model = (model_class or transformers.AutoModel).from_pretrained(path, dtype=torch.float32)
+    interpolate_positions(model)  # images preprocessed to another --image_size than config.image_size
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):  # no tokenizer files saved with the model
@@ -114,7 +117,12 @@ def user_columns(raw, args):
             renames[given] = target
     raw = raw.rename_columns(renames) if renames else raw
     label = next((c for c in ("labels", "label") if c in columns or c in renames.values()), None)
-    return raw if label is None else encode_labels(raw, label).data
+    if label is None:
+        return raw
+    labels = encode_labels(raw, label)
+    if labels.note:
+        logger.warning("data: %s", labels.note)
+    return labels.data
 
 
 def _image_options(args) -> dict:

@@ -41,14 +41,62 @@ FAMILY_DEFAULTS = {
     "vit": (HALF, HALF, None, "ViT (google/vit-*)"),
 }
 # model types whose embeddings interpolate the position embeddings to the input's size in every forward: they take
-# any image size (DINOv2 was pre-trained at 518 px, its config's image_size, and is used at 224 px). A ViT does only
-# when `interpolate_pos_encoding=True` is passed to forward, which the Trainer's batches do not: not listed.
+# any image size (DINOv2 was pre-trained at 518 px, its config's image_size, and is used at 224 px). A model whose
+# forward takes `interpolate_pos_encoding` (ViT, DeiT, BEiT, ...) does when it is passed: `interpolate_positions`.
 ANY_SIZE_MODEL_TYPES = ("dinov2", "dinov2_with_registers")
+INTERPOLATE = "interpolate_pos_encoding"
 
 
-def takes_any_image_size(config) -> bool:
-    """Whether a model of `config` runs on images of any size (it interpolates its position embeddings)."""
-    return getattr(config, "model_type", None) in ANY_SIZE_MODEL_TYPES
+def _forward_model(model):
+    """The model whose forward reads the batch (a PEFT model's base model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def takes_interpolation_flag(model) -> bool:
+    """Whether `model`'s forward takes `interpolate_pos_encoding` (read from its signature, not its class)."""
+    import inspect
+
+    forward = getattr(_forward_model(model), "forward", None)
+    return forward is not None and INTERPOLATE in inspect.signature(forward).parameters
+
+
+def takes_any_image_size(model) -> bool:
+    """Whether `model` runs on images of any size: it interpolates its position embeddings in every forward
+    (DINOv2), or its forward takes `interpolate_pos_encoding`, which `interpolate_positions` passes."""
+    config = getattr(_forward_model(model), "config", None)
+    return getattr(config, "model_type", None) in ANY_SIZE_MODEL_TYPES or takes_interpolation_flag(model)
+
+
+def interpolate_positions(model) -> None:
+    """Make `model` (when its forward takes `interpolate_pos_encoding`) interpolate its position embeddings on images
+    of another size than `config.image_size`: a forward pre-hook passes `interpolate_pos_encoding=True` when the
+    `pixel_values` are of another size and the caller did not pass the flag. Installed once on the model by
+    `DPTrainer` (so training, feature caching, evaluation and the representation callback's forward get it) and by
+    the commands that load a saved model (`hf-dp-repr analyze`). At the config's size nothing is passed: the forward
+    is the one the model was saved with. The per-example gradient of the interpolated position embeddings:
+    `privacy.modules.embedding`.
+
+        >>> import torch
+        >>> from hf_dp_repr.tiny import tiny_vit
+        >>> model = tiny_vit(num_labels=2, image_size=8)
+        >>> interpolate_positions(model)
+        >>> model(pixel_values=torch.zeros(1, 1, 12, 12)).logits.shape
+        torch.Size([1, 2])
+    """
+    target = _forward_model(model)
+    if not takes_interpolation_flag(target) or getattr(target, "_hf_dp_repr_interpolates", False):
+        return
+    size = getattr(target.config, "image_size", None)
+    want = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+
+    def pass_flag(module, args, kwargs):
+        pixels = kwargs.get("pixel_values", args[0] if args else None)
+        if kwargs.get(INTERPOLATE) is None and getattr(pixels, "ndim", 0) == 4 and tuple(pixels.shape[-2:]) != want:
+            kwargs = {**kwargs, INTERPOLATE: True}
+        return args, kwargs
+
+    target.register_forward_pre_hook(pass_flag, with_kwargs=True)
+    target._hf_dp_repr_interpolates = True
 
 
 # ---- arrays and subsets ---------------------------------------------------------------------------------------

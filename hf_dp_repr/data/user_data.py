@@ -206,10 +206,7 @@ def encode_labels(raw, column: str, class_names: list[str] | None = None) -> Lab
             raise DataError(f"column {column!r} holds labels {bad[:5]} outside the {len(names)} --class_names "
                             f"(0..{len(names) - 1})")
     raw = raw.cast_column(column, datasets.ClassLabel(names=names))
-    labels = LabelSet(raw, names, read_off_rows=read_off)
-    if read_off:
-        logger.warning("data: %s", labels.note)
-    return labels
+    return LabelSet(raw, names, read_off_rows=read_off)  # its note: for the plan (recipes) or the log (analyze)
 
 
 # ---- units of privacy ------------------------------------------------------------------------------------------------

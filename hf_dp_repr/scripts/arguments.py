@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Literal
 
 import yaml
 from transformers import HfArgumentParser
@@ -54,7 +55,18 @@ class ScriptArguments:
 
 
 @dataclass
-class ClassificationArguments(ScriptArguments):
+class DefaultsArguments:
+    """The switch of the DP-aware defaults (`hf_dp_repr.scripts.dp_defaults`)."""
+
+    dp_defaults: Literal["on", "off"] = field(default="on", metadata={
+        "help": "on: the training hyperparameters you do not give (scope, expected batch, epochs, optimizer, learning "
+                "rate, clipping) are chosen from n, ε and the model by hf_dp_repr/scripts/dp_defaults.py, and the plan "
+                "says why; each option you give replaces its own value only. off: the library's and the Trainer's own "
+                "defaults (every parameter trains: full fine-tuning, learning rate 5e-5, batch 8)."})
+
+
+@dataclass
+class ClassificationArguments(DefaultsArguments, ScriptArguments):
     """`ScriptArguments` + the label set and eval size of a classifier's recipe."""
 
     label_column: str | None = field(default=None, metadata={

@@ -1,9 +1,10 @@
 """DP-aware defaults of the classification recipes: the training hyperparameters the user did not set, chosen by one
 rule from public quantities only (the number n of private examples, ε, whether the model is pretrained), never from
-the private data. Every option the user set (on the command line or in `--config`) wins; the rule fills in the
-others, knowing what was set (a learning rate given keeps the scope, optimizer and clipping it was chosen with: the
-library's, every parameter trains; that is also how to ask for full fine-tuning). The plan prints what was chosen
-and why.
+the private data. Every option the user set (on the command line or in `--config`) replaces its own value only; the
+rule fills in the others, knowing what was set (blocks given as the scope: the optimizer of blocks). The scope is
+chosen by `--trainable_blocks` / `--trainable_groups` / `--lp_steps`; `--dp_defaults off` keeps the library's and
+the Trainer's own defaults for everything (every parameter trains: full fine-tuning). The plan prints what was
+chosen and why.
 
 The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measured in benchmarks/RESULTS.md,
 "DP-aware defaults", with `benchmarks/dp_defaults.py`):
@@ -27,8 +28,9 @@ The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measur
     >>> chosen = choose(n=1000, epsilon=8.0, given=set())
     >>> chosen.values["trainable_blocks"], chosen.values["per_device_train_batch_size"], chosen.values["optim"]
     (0, 250, 'sgd')
-    >>> choose(n=1000, epsilon=8.0, given={"trainable_blocks", "learning_rate"}).values.get("learning_rate") is None
-    True
+    >>> given = choose(n=1000, epsilon=8.0, given={"learning_rate"}).values  # a learning rate given: its own value
+    >>> "learning_rate" in given, given["trainable_blocks"], given["optim"]
+    (False, 0, 'sgd')
 """
 
 from __future__ import annotations
@@ -59,16 +61,21 @@ class Defaults:
 
     values: dict = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
+    off: bool = False  # --dp_defaults off
 
     def set(self, name: str, value, why: str) -> None:
         self.values[name] = value
         self.reasons.append(f"--{name} {value}: {why}")
 
     def describe(self) -> str:
+        if self.off:
+            return ("DP-aware defaults: off (--dp_defaults off): the library's and the Trainer's own defaults for "
+                    "every option you did not give; every parameter trains unless --trainable_blocks/--trainable_groups"
+                    " say otherwise")
         if not self.values:
             return "DP-aware defaults: none applied (every training hyperparameter was given)"
-        return ("DP-aware defaults (hf_dp_repr.scripts.dp_defaults; from n, ε and the model only; any option you give "
-                "wins):\n  " + "\n  ".join(self.reasons))
+        return ("DP-aware defaults (hf_dp_repr.scripts.dp_defaults; from n, ε and the model only; each option you give "
+                "replaces its own value only; --dp_defaults off: none):\n  " + "\n  ".join(self.reasons))
 
 
 def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int | None = None,
@@ -78,8 +85,7 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
     (None: σ given or an attack target: the learning rate of ε = 1); `trainable_blocks`, `gradient_accumulation_steps`,
     `world_size`, `optim`: the run's, read when given; `feature_norm`: `head_input_norm` of the model (None: 1)."""
     out = Defaults()
-    # a learning rate given was chosen for the library's scope (every parameter), optimizer and clipping: kept
-    scope_given = bool(given & {*SCOPE_OPTIONS, "learning_rate"})
+    scope_given = bool(given & set(SCOPE_OPTIONS))
     probe = (trainable_blocks == 0) if scope_given else True
     if not scope_given:
         out.set("trainable_blocks", 0, "a linear probe on the frozen pretrained backbone, its features computed once: "
@@ -87,7 +93,7 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
     if probe and "head_init" not in given and not scope_given:
         out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
     lr_given = "learning_rate" in given
-    if probe and not given & {"clipping", "learning_rate"}:
+    if probe and "clipping" not in given:
         out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023): examples "
                                          "the head already fits still count, which helped at small ε")
     batch = max(MIN_BATCH, min(MAX_BATCH, round(PROBE_SAMPLE_RATE * n)))
@@ -107,7 +113,7 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
         epochs = PROBE_EPOCHS if probe else FINE_TUNE_EPOCHS
         out.set("num_train_epochs", epochs, f"about {epochs * max(1, n // batch)} steps; "
                 + ("a probe's steps are cheap on cached features" if probe else "each step runs the trained blocks"))
-    if not given & {"optim", "learning_rate"}:
+    if "optim" not in given:
         out.set("optim", "sgd" if probe else "adamw_torch",
                 "plain SGD for a probe (Adam would rescale every coordinate's noise to a full step)" if probe else
                 "AdamW for blocks (large-batch DP fine-tuning, Li et al. 2022)")
@@ -135,16 +141,18 @@ def apply(training_args, defaults: Defaults) -> None:
         setattr(training_args, name, OptimizerNames(value) if name == "optim" else value)
 
 
-def fill_in(training_args, n: int, given: set[str], log, model=None, blank_inputs: dict | None = None) -> Defaults:
-    """What a recipe calls before its checks: choose the defaults for the `n` private examples (with the feature
-    scale of `model` on `blank_inputs`, a data-free batch of one), set them on `training_args`, and `log` what was
-    chosen and why."""
+def fill_in(training_args, n: int, given: set[str], switch: str = "on", model=None,
+            blank_inputs: dict | None = None) -> Defaults:
+    """What a classification recipe calls before its checks: unless `switch` (`--dp_defaults`) is "off", choose the
+    defaults for the `n` private examples (with the feature scale of `model` on `blank_inputs`, a data-free batch of
+    one) and set them on `training_args`. Returns what was chosen and why, for the plan (`describe()`)."""
+    if switch == "off":
+        return Defaults(off=True)
     args = training_args
     scale = head_input_norm(model, blank_inputs) if model is not None and blank_inputs is not None else None
     defaults = choose(n, args.target_epsilon, given, args.trainable_blocks, args.gradient_accumulation_steps,
                       args.world_size, getattr(args.optim, "value", args.optim), scale)
     apply(args, defaults)
-    log(defaults.describe())
     return defaults
 
 

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
     blank = {"pixel_values": torch.zeros_like(torch.as_tensor(train[0]["pixel_values"]))[None]}  # a grey image
-    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info, model, blank)  # what the user did not set
+    defaults = dp_defaults.fill_in(targs, len(train), margs.given_options, margs.dp_defaults, model, blank)
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
                         data_collator=collate, compute_metrics=accuracy_metrics(), callbacks=callbacks,
                         processing_class=processor, model_card_info=card_info,  # saved with the model
                         public_train_dataset=stats_source)
+    trainer.plan_notes = recipe_report.plan_notes(data_notes, defaults)
     result = ru.train(trainer, margs.overwrite_output_dir)
     split = ru.split_record("image", source, public_fraction, targs.seed, len(train), len(data["eval"]))
     return ru.finish_run(trainer, result, margs, push=push, split=split)
@@ -209,7 +210,7 @@ def audit_sets(run_dir: str, record: dict, model_args: dict):
     data, image_col, label_col, _ = load_image_data(margs, record["seed"])
     ru.check_source(data["train"]._fingerprint, record, ru.data_description(margs))
     model = SimpleNamespace(config=AutoConfig.from_pretrained(run_dir))  # the preprocessing reads the config only
-    data, _ = _with_pixel_values(data, margs, model, image_col, label_col)
+    data, _ = _with_pixel_values(data, margs, model, image_col, label_col, check_size=False)  # the run's own sizes
     train, _, evals = split_private(data, margs, record["public_fraction"], record["seed"])
     return train, evals
 
@@ -243,9 +244,10 @@ def load_image_data(margs: ImageArguments, seed: int):
     return {"train": train, "eval": evals}, image_col, label_col, notes
 
 
-def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col):
+def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col, check_size: bool = True):
     """Rename to `pixel_values` / `labels`; images become pixel values once, with `map` (deterministic
-    preprocessing, so the linear probe may cache features). Returns (data, the image processor or None)."""
+    preprocessing, so the linear probe may cache features), after checking (`check_size`) that the model takes
+    their size. Returns (data, the image processor or None)."""
     data = {k: ds.rename_column(label_col, "labels") if label_col != "labels" else ds for k, ds in data.items()}
     if image_col == "pixel_values":
         return {k: ds.with_format("torch") for k, ds in data.items()}, None
@@ -255,7 +257,7 @@ def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col)
         image_std=margs.image_std)
     logger.info("image preprocessing: %s", how)
     size, want = processor.size.get("height"), getattr(model.config, "image_size", None)
-    if size and isinstance(want, int) and size != want and not takes_any_image_size(model.config):
+    if check_size and size and isinstance(want, int) and size != want and not takes_any_image_size(model):
         raise RecipeArgumentError(f"--image_size {size}: {margs.model_name_or_path} takes {want}-px images "
                                   "(config.image_size) and does not interpolate its position embeddings; drop "
                                   f"--image_size or pass {want}.")

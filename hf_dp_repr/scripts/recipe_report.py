@@ -13,6 +13,12 @@ logger = logging.getLogger("hf_dp_repr.recipes")
 LOG_LINES = 20  # default: about this many log lines (loss, ε) per run
 
 
+def plan_notes(data_notes, defaults=None) -> list[str]:
+    """The lines a recipe's logged plan ends with (`DPTrainer.plan_notes`): how its data was read (`data: ...`: a
+    label set read off the rows, an evaluation split held out), then the DP-aware defaults chosen and why."""
+    return [f"data: {note}" for note in data_notes] + ([defaults.describe()] if defaults is not None else [])
+
+
 def default_logging(training_args, planned_steps: int, given: set[str]) -> None:
     """Unless --logging_steps / --logging_strategy were given, log (loss, ε) about `LOG_LINES` times per run instead
     of every 500 steps (the Trainer's default, more than a short DP run has)."""

@@ -31,7 +31,7 @@ from hf_dp_repr.data.user_data import check_column, encode_labels
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
 from hf_dp_repr.scripts import causal_lm as lm
-from hf_dp_repr.scripts import checks
+from hf_dp_repr.scripts import checks, recipe_report
 from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.arguments import PublicPretrainingArguments, ScriptArguments
 from hf_dp_repr.synth import generate_synthetic, save_synthetic
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "pre-training and the tokenizer" if public is not None else f"the pre-trained weights of {name}"))
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evals, processing_class=tokenizer,
                         model_card_info=card_info, peft_config=_lora(margs))
+    trainer.plan_notes = recipe_report.plan_notes(data_notes)
     metrics = ru.finish_run(trainer, ru.train(trainer, margs.overwrite_output_dir), margs,
                             extra_metrics=lm._perplexity)
     if not trainer.is_world_process_zero():

@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
         model.config.pad_token_id = tokenizer.pad_token_id
 
     train, evals = (tokenized(ds, tokenizer, text_col, label_col, margs.max_length) for ds in (train, evals))
-    dp_defaults.fill_in(targs, len(train), margs.given_options, logger.info, model,  # what the user did not set
-                        dp_defaults.blank_text(tokenizer))  # the head's input scale on an empty text
+    defaults = dp_defaults.fill_in(targs, len(train), margs.given_options, margs.dp_defaults, model,
+                                   dp_defaults.blank_text(tokenizer))  # the head's input scale on an empty text
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     card_info = ModelCardInfo(
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                         data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                         compute_metrics=accuracy_metrics(),
                         model_card_info=card_info)
+    trainer.plan_notes = recipe_report.plan_notes(data_notes, defaults)
     result = ru.train(trainer, margs.overwrite_output_dir)
     split = ru.split_record("text", source, 0.0, targs.seed, len(train), len(evals))  # no public part of the data
     return ru.finish_run(trainer, result, margs, push=push, split=split)

@@ -80,10 +80,7 @@ def pick_splits(raw, margs, seed: int):
     (`note` says so, for the plan and the card; None otherwise)."""
     from hf_dp_repr.data.user_data import hold_out
 
-    train, evals, note = hold_out(raw, margs.train_split, margs.eval_split, margs.holdout_fraction, seed)
-    if note:
-        logger.warning("data: %s", note)
-    return train, evals, note
+    return hold_out(raw, margs.train_split, margs.eval_split, margs.holdout_fraction, seed)
 
 
 # ---- public → private --------------------------------------------------------------------------------------

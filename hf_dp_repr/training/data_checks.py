@@ -144,7 +144,8 @@ def check_pad_token(collator) -> None:
 def check_image_size(model, batch: Mapping) -> None:
     """Refuse `pixel_values` of another size or channel count than the model's config (`image_size`,
     `num_channels`), naming both and the fix, instead of a reshape or position-embedding error mid-forward. A model
-    that interpolates its position embeddings (DINOv2: `data.images.takes_any_image_size`) takes any size."""
+    that interpolates its position embeddings (DINOv2, or ViT through `data.images.interpolate_positions`, which
+    `DPTrainer` installs: `data.images.takes_any_image_size`) takes any size."""
     config = getattr(base_model(model), "config", None)
     pixels = batch.get("pixel_values")
     size = getattr(config, "image_size", None)
@@ -153,7 +154,7 @@ def check_image_size(model, batch: Mapping) -> None:
     want = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
     channels = getattr(config, "num_channels", None)
     got = tuple(pixels.shape[1:])
-    if takes_any_image_size(config):
+    if takes_any_image_size(model):
         want = got[1:]
     if got[1:] != want or (channels is not None and got[0] != channels):
         raise DPConfigError(

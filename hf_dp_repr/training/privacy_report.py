@@ -46,9 +46,10 @@ class DPPublishedLogs(Trainer):
 
 
 def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model, block_stack, describe_scope,
-                  trained_params) -> None:
-    """Log the run's plan (`ledger.plan`: the checkpoint's when resuming): σ, q, steps, ε at its end, and per phase
-    i what trains (`describe_scope(i)`, `trained_params(i)`); warnings for a seeded noise, no noise, no Poisson."""
+                  trained_params, notes=()) -> None:
+    """Log the run's plan (`ledger.plan`: the checkpoint's when resuming): σ, q, steps, ε at its end, per phase i
+    what trains (`describe_scope(i)`, `trained_params(i)`), then `notes` (a recipe's: how its data was read, the
+    defaults it chose); warnings for a seeded noise, no noise, no Poisson."""
     led = ledger.plan
     warn_if_openmp_spins()  # torch loaded before hf_dp_repr, with spinning threads, on a busy machine
     if led.randomness == "seeded":
@@ -84,7 +85,7 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
                      f"{describe_scope(i)}")
         lines.append(describe_trainable(model, trained_params(i), phase.noise_multiplier,
                                         led.per_sample_max_grad_norm, phase.expected_batch_size, stack))
-    logger.info("\n".join(lines))
+    logger.info("\n".join([*lines, *notes]))
     for i, phase in enumerate(led.phases):
         warn_if_noise_drowns_updates(phase, sum(p.numel() for p in trained_params(i)))
 

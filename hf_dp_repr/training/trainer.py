@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.utils import logging
 
+from ..data.images import interpolate_positions
 from ..errors import ArgumentError, ArgumentTypeError, DataError, DPConfigError, UnsupportedError
 from ..hub.card import ModelCardInfo
 from ..privacy.augmentation import ViewsBatchSampler, ViewsDataset
@@ -123,6 +124,7 @@ class DPTrainer(DPExampleLossMixin, DPTrainerOutputs):
         if model is not None:
             check_model_is_privatizable(model)
             init_head(model, args.head_init)
+            interpolate_positions(model)  # a ViT on images of another size than its config's (data.images)
         model = shard_for_training(model, args, logger)  # fsdp, or a model sharded at load (training.sharding)
         self.sharded = is_sharded(model)
         self._set_scopes(model, args)
@@ -144,6 +146,7 @@ class DPTrainer(DPExampleLossMixin, DPTrainerOutputs):
         follow_log_level(self.args)
         check_eval_overlap(self)
         self._plan: PrivacyPlan | None = None
+        self.plan_notes: list[str] = []  # lines the logged plan ends with (a recipe's: its data notes, its defaults)
         self.features = FeatureCaches()  # features cached from frozen weights (training/cached_features.py)
         self._resume_ledger: PrivacyLedger | None = None
         self._several_rows = frozenset()  # modules with several rows per example (the probe of each train())
@@ -254,7 +257,7 @@ class DPTrainer(DPExampleLossMixin, DPTrainerOutputs):
         if self.is_world_process_zero():  # once, not once per process
             announce_plan(self.ledger, noise_seed=self.args.noise_seed, max_rows_per_unit=self.args.max_rows_per_unit,
                           model=self.model, block_stack=self.args.block_stack, describe_scope=self.describe_scope,
-                          trained_params=self._trained_params)
+                          trained_params=self._trained_params, notes=self.plan_notes)
         self._sync_phase()
         return self.optimizer
 

@@ -1,8 +1,11 @@
 """Embeddings: `nn.Embedding` (with PyTorch's `padding_idx`), OPT's learned positions (called with the attention
-mask, the ids as a keyword) and ViT's embeddings (bare `cls_token` and `position_embeddings`; their patch projection
-is a Conv2d, `conv.py`; the ghost engine clips them with the per-sample rule below, `ghost_rules.OPACUS_RULE`)."""
+mask, the ids as a keyword) and ViT's embeddings (bare `cls_token` and `position_embeddings`, interpolated to the
+image's size or not; their patch projection is a Conv2d, `conv.py`; the ghost engine clips them with the per-sample
+rule below, `ghost_rules.OPACUS_RULE`)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 from opacus.grad_sample.embedding import compute_embedding_grad_sample
@@ -61,17 +64,31 @@ def vit_embeddings_grad_sample(layer: ViTEmbeddings, activations: list[torch.Ten
             "ViTEmbeddings: per-sample gradients of cls_token/position_embeddings are only exact without "
             "embedding dropout; set config.hidden_dropout_prob=0 (the usual DP setting)."
         )
-    if backprops.shape[1] != layer.position_embeddings.shape[1]:
-        raise NotPrivatizableError(
-            "ViTEmbeddings: interpolate_pos_encoding is not supported under DP; feed images of the "
-            f"model's size {tuple(layer.image_size)}."
-        )
     grads = {}
     if layer.cls_token.requires_grad:
         grads[layer.cls_token] = backprops[:, None, :1]
     if layer.position_embeddings.requires_grad:
-        grads[layer.position_embeddings] = backprops[:, None]
+        grads[layer.position_embeddings] = vit_position_grads(layer, activations[0], backprops)[:, None]
     return grads
+
+
+def vit_position_grads(layer: ViTEmbeddings, pixels: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """Each example's gradient of `position_embeddings` (B, positions, D), given the gradient of the embeddings'
+    output `backprops` (B, tokens, D). At the config's image size the positions are added as they are: the gradient
+    is `backprops`. At another size the forward added `layer.interpolate_pos_encoding(...)`, a linear map of the
+    position embeddings that acts on each of the D channels alike: its adjoint is taken by autograd through that very
+    method, run once on B·D channels (example b's channel d at b·D + d)."""
+    if tuple(pixels.shape[-2:]) == tuple(layer.image_size):
+        return backprops
+    batch, tokens, dim = backprops.shape
+    with torch.enable_grad():
+        positions = torch.zeros(1, layer.position_embeddings.shape[1], batch * dim, dtype=backprops.dtype,
+                                device=backprops.device, requires_grad=True)
+        stand_in = SimpleNamespace(position_embeddings=positions, patch_size=layer.patch_size)
+        out = type(layer).interpolate_pos_encoding(stand_in, backprops.new_empty(1, tokens, batch * dim),
+                                                   *pixels.shape[-2:])
+        (grad,) = torch.autograd.grad(out, positions, backprops.permute(1, 0, 2).reshape(1, tokens, batch * dim))
+    return grad.reshape(-1, batch, dim).permute(1, 0, 2)
 
 
 # ---- ghost rules (the ghost-norm engine) -------------------------------------------------------------------------
