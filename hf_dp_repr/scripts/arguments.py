@@ -66,6 +66,30 @@ class DefaultsArguments:
 
 
 @dataclass
+class LoraArguments:
+    """LoRA adapters of the language recipes (peft)."""
+
+    use_lora: bool | None = field(default=None, metadata={
+        "help": "Train LoRA adapters (peft) instead of every weight. Default: chosen by --dp_defaults (adapters for a "
+                "pretrained model of at least 100 M parameters when peft is installed, else every weight); the "
+                "recipe's own with --dp_defaults off (sft, dpo: true; lm: false)."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling α."})
+    lora_target_modules: str = field(default="q_proj,v_proj", metadata={
+        "help": "Comma-separated module names, or 'all-linear' (the LM head excluded)."})
+
+    def lora_config(self, default: bool):
+        """The LoRA adapters (`--use_lora`, or `default` when it was left unset), or None for every weight."""
+        if not (self.use_lora if self.use_lora is not None else default):
+            return None
+        from peft import LoraConfig
+
+        targets = self.lora_target_modules
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                          target_modules=targets if targets == "all-linear" else targets.split(","))
+
+
+@dataclass
 class ClassificationArguments(DefaultsArguments, ScriptArguments):
     """`ScriptArguments` + the label set and eval size of a classifier's recipe."""
 

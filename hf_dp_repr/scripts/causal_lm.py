@@ -50,9 +50,15 @@ from hf_dp_repr.data.tokenizer import train_tokenizer
 from hf_dp_repr.data.user_data import check_column
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
-from hf_dp_repr.scripts import checks, recipe_report, repr_compare
+from hf_dp_repr.scripts import checks, dp_defaults, recipe_report, repr_compare
 from hf_dp_repr.scripts import utils as ru
-from hf_dp_repr.scripts.arguments import AnalysisArguments, PublicPretrainingArguments, ScriptArguments
+from hf_dp_repr.scripts.arguments import (
+    AnalysisArguments,
+    DefaultsArguments,
+    LoraArguments,
+    PublicPretrainingArguments,
+    ScriptArguments,
+)
 from hf_dp_repr.training.arguments import DPTrainingArguments, check_privacy_unit
 from hf_dp_repr.training.trainer import DPTrainer
 
@@ -60,7 +66,8 @@ logger = logging.getLogger("hf_dp_repr.recipes.lm")
 
 
 @dataclass
-class LMArguments(repr_compare.ComparisonArguments, AnalysisArguments, PublicPretrainingArguments, ScriptArguments):
+class LMArguments(repr_compare.ComparisonArguments, AnalysisArguments, PublicPretrainingArguments, DefaultsArguments,
+                  LoraArguments, ScriptArguments):
     """Model and data of the causal-LM recipe (the shared fields: `hf_dp_repr.scripts.arguments`)."""
 
     model_name_or_path: str = field(default="tiny_gpt2", metadata={
@@ -80,6 +87,8 @@ class LMArguments(repr_compare.ComparisonArguments, AnalysisArguments, PublicPre
     sample_prompt: str = field(default="Return the", metadata={
         "help": "Prompt of the sample the DP model generates (greedy) for the result table; '' for none."})
     sample_max_new_tokens: int = field(default=24, metadata={"help": "Length of that sample, in tokens."})
+    lora_target_modules: str = field(default="all-linear", metadata={
+        "help": "With LoRA: comma-separated module names, or 'all-linear' (the LM head excluded)."})
 
 
 ARGUMENT_TYPES = (LMArguments, DPTrainingArguments)
@@ -105,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
         blocks["private"] = document_blocks(private_docs, tokenizer, margs.block_size).with_format("torch")
     if margs.max_eval_blocks:
         blocks["eval"] = blocks["eval"].select(range(min(margs.max_eval_blocks, len(blocks["eval"]))))
+    defaults = dp_defaults.fill_in_language(targs, margs, checks.private_count(blocks["private"], targs), model,
+                                            pretrained=not ru.is_tiny(name))  # what the user did not set
     plan = checks.check_before_work(model, blocks["private"], targs)  # before any work, before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
 
@@ -145,8 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
         analysis_data=f"{len(blocks['eval'])} blocks of the '{margs.eval_split}' split (not trained on)",
     )
     trainer = DPTrainer(model=model, args=targs, train_dataset=blocks["private"], eval_dataset=blocks["eval"],
-                        processing_class=tokenizer, callbacks=callbacks,
+                        processing_class=tokenizer, callbacks=callbacks, peft_config=margs.lora_config(default=False),
                         model_card_info=card_info)
+    trainer.plan_notes = recipe_report.plan_notes([held_out] if held_out else [], defaults)
     result = ru.train(trainer, margs.overwrite_output_dir)
     metrics = ru.finish_run(trainer, result, margs, push=push, extra_metrics=_perplexity,
                             extra_rows=lambda t: _sample(t, margs))

@@ -48,11 +48,7 @@ def check_before_work(model, train, training_args):
     check_model_is_privatizable(model)
     phase_scopes(model, args.trainable_blocks, args.lp_steps, args.block_stack,  # ScopeError names the block count
                  args.trainable_groups)
-    n = len(train)
-    if args.privacy_unit != "row":  # units are counted (and missing ids refused) now, not after pre-training
-        from hf_dp_repr.privacy.units import column_values, unit_rows
-
-        n = unit_rows(column_values(train, args.privacy_unit))[1]
+    n = private_count(train, args)  # units are counted (and missing ids refused) now, not after pre-training
     if not args.allow_large_delta:  # allowed: DPTrainer warns once, later
         check_delta(args.target_delta, n, "examples" if args.privacy_unit == "row" else "units")
     plan = plan_run(args, n)
@@ -60,6 +56,15 @@ def check_before_work(model, train, training_args):
         raise RecipeArgumentError(f"the schedule plans {plan.planned_steps} DP steps; raise --num_train_epochs or "
                                   "--max_steps.")
     return plan
+
+
+def private_count(train, training_args) -> int:
+    """n of the privacy plan: the private rows, or the units they hold (distinct values of `--privacy_unit`)."""
+    if training_args.privacy_unit == "row":
+        return len(train)
+    from hf_dp_repr.privacy.units import column_values, unit_rows
+
+    return unit_rows(column_values(train, training_args.privacy_unit))[1]
 
 
 # ---- label sets --------------------------------------------------------------------------------------------------

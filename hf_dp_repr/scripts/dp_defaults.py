@@ -51,7 +51,10 @@ PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
 # SGD learning rate of a probe: 0.9·ε / s, at most 8 / s, where s is the norm of the head's input on a data-free
 # input (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
 PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.9, 8.0
-FINE_TUNE_LR = 5e-4  # AdamW, when blocks train
+FINE_TUNE_LR = 5e-4  # AdamW, when blocks train (and every parameter of a language model)
+LANGUAGE_MICRO_BATCH = 8  # sequences per forward/backward of a language model
+LORA_MIN_PARAMETERS = 100_000_000  # a pretrained language model this large trains LoRA adapters (peft installed)
+LORA_LR = 1e-3  # AdamW on LoRA adapters
 ADAM_PROBE_LR = 0.05  # a probe with an Adam-type --optim the user gave
 
 
@@ -96,19 +99,8 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
     if probe and "clipping" not in given:
         out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023): examples "
                                          "the head already fits still count, which helped at small ε")
-    batch = max(MIN_BATCH, min(MAX_BATCH, round(PROBE_SAMPLE_RATE * n)))
-    batch = min(batch, n)
-    if "per_device_train_batch_size" not in given:
-        accumulation = gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1
-        if not probe and "gradient_accumulation_steps" not in given and batch > MICRO_BATCH:
-            accumulation = max(1, batch // MICRO_BATCH)
-            out.set("gradient_accumulation_steps", accumulation, f"micro-batches of {MICRO_BATCH} when blocks train")
-        per_device = max(1, min(MICRO_BATCH if not probe else batch,
-                                batch // (max(accumulation, 1) * max(world_size, 1))))
-        out.set("per_device_train_batch_size", per_device,
-                f"expected batch {per_device * max(accumulation, 1) * max(world_size, 1)} of n = {n} "
-                f"(q ≈ {PROBE_SAMPLE_RATE:g}, within {MIN_BATCH}-{MAX_BATCH}): the update's noise is σC/B and σ grows "
-                "more slowly than B")
+    batch = _set_batch(out, n, given, None if probe else MICRO_BATCH, gradient_accumulation_steps, world_size,
+                       "when blocks train")
     if not given & set(STEP_OPTIONS):
         epochs = PROBE_EPOCHS if probe else FINE_TUNE_EPOCHS
         out.set("num_train_epochs", epochs, f"about {epochs * max(1, n // batch)} steps; "
@@ -131,6 +123,92 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
             out.set("learning_rate", lr, "Adam's step under DP noise, with a large batch" if not probe else
                     "an Adam-type probe's (recipes/configs/minilm_stdlib_topics_eps8.yaml)")
     return out
+
+
+def _set_batch(out: Defaults, n: int, given: set[str], micro: int | None, gradient_accumulation_steps: int,
+               world_size: int, why_micro: str) -> int:
+    """Choose the expected batch (a quarter of n within `MIN_BATCH`-`MAX_BATCH`) as per-device batch × accumulation
+    (micro-batches of `micro`; None: one micro-batch) unless the user gave the batch; returns the expected batch."""
+    batch = min(n, max(MIN_BATCH, min(MAX_BATCH, round(PROBE_SAMPLE_RATE * n))))
+    if "per_device_train_batch_size" not in given:
+        accumulation = gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1
+        if micro is not None and "gradient_accumulation_steps" not in given and batch > micro:
+            accumulation = max(1, batch // micro)
+            out.set("gradient_accumulation_steps", accumulation, f"micro-batches of {micro} {why_micro}")
+        per_device = max(1, min(micro or batch, batch // (max(accumulation, 1) * max(world_size, 1))))
+        out.set("per_device_train_batch_size", per_device,
+                f"expected batch {per_device * max(accumulation, 1) * max(world_size, 1)} of n = {n} "
+                f"(q ≈ {PROBE_SAMPLE_RATE:g}, within {MIN_BATCH}-{MAX_BATCH}): the update's noise is σC/B and σ grows "
+                "more slowly than B")
+    return batch
+
+
+# ---- language models (`train lm`, `train sft`) ------------------------------------------------------------------
+def choose_language(n: int, given: set[str], parameters: int, pretrained: bool, peft_available: bool,
+                    use_lora: bool | None = None, gradient_accumulation_steps: int = 1,
+                    world_size: int = 1) -> Defaults:
+    """The language recipes' rule, for `n` private units (documents, users or rows), a model of `parameters`
+    parameters, `pretrained` or not: the scope (`use_lora`: LoRA adapters for a pretrained model of at least
+    `LORA_MIN_PARAMETERS` when peft is installed, else every parameter; a scope or `use_lora` given is kept), the
+    expected batch of the classifiers' rule in micro-batches of `LANGUAGE_MICRO_BATCH`, `FINE_TUNE_EPOCHS` epochs,
+    AdamW at `LORA_LR` (adapters) or `FINE_TUNE_LR` (every parameter). ε and δ enter through σ, which the plan
+    calibrates for the batch and steps chosen here.
+
+        >>> chosen = choose_language(2000, set(), parameters=360_000_000, pretrained=True, peft_available=True)
+        >>> chosen.values["use_lora"], chosen.values["learning_rate"], chosen.values["gradient_accumulation_steps"]
+        (True, 0.001, 62)
+        >>> choose_language(2000, {"use_lora"}, 360_000_000, True, True, use_lora=False).values["learning_rate"]
+        0.0005
+    """
+    out = Defaults()
+    if not given & {*SCOPE_OPTIONS, "use_lora"}:
+        use_lora = pretrained and peft_available and parameters >= LORA_MIN_PARAMETERS
+        out.set("use_lora", use_lora, f"the model has {parameters:,} parameters"
+                + (", pretrained: LoRA adapters (few trained coordinates to spread the noise over, and no "
+                   "per-example gradient of the base weights)" if use_lora else
+                   (": every parameter trains" + ("" if pretrained else " (built here, not pretrained)")
+                    + ("" if peft_available else "; peft is not installed")
+                    + f" (LoRA from {LORA_MIN_PARAMETERS / 1e6:.0f} M pretrained parameters)")))
+    _set_batch(out, n, given, LANGUAGE_MICRO_BATCH, gradient_accumulation_steps, world_size, "sequences")
+    if not given & set(STEP_OPTIONS):
+        out.set("num_train_epochs", FINE_TUNE_EPOCHS, "a few tens of large-batch steps (each step sees a quarter of "
+                                                      "the units)")
+    if "optim" not in given:
+        out.set("optim", "adamw_torch", "AdamW: large-batch DP fine-tuning of language models (Li et al. 2022)")
+    if "learning_rate" not in given:
+        out.set("learning_rate", LORA_LR if use_lora else FINE_TUNE_LR,
+                "LoRA's usual DP rate, the recipe's SmolLM2 command (not measured here)" if use_lora else
+                "Li et al. 2022's rate for full DP fine-tuning with a large batch")
+    return out
+
+
+def fill_in_language(training_args, script_args, n: int, model, pretrained: bool) -> Defaults:
+    """What `train lm` / `train sft` call: unless `--dp_defaults off`, `choose_language` for the `n` private units
+    and `model`, set on `training_args` (and `use_lora` on `script_args`). Returns what was chosen, for the plan."""
+    import importlib.util
+
+    if script_args.dp_defaults == "off":
+        return Defaults(off=True)
+    args = training_args
+    defaults = choose_language(n, script_args.given_options, parameter_count(model), pretrained,
+                               importlib.util.find_spec("peft") is not None, script_args.use_lora,
+                               args.gradient_accumulation_steps, args.world_size)
+    if "use_lora" in defaults.values:
+        script_args.use_lora = defaults.values["use_lora"]
+    apply(args, Defaults({k: v for k, v in defaults.values.items() if k != "use_lora"}))
+    return defaults
+
+
+def parameter_count(model) -> int:
+    """The parameters of `model`, or of the causal LM a Hub name or folder names (built on the meta device from its
+    config: nothing is downloaded but the config, no memory is used)."""
+    if not isinstance(model, str):
+        return sum(p.numel() for p in model.parameters())
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters())
 
 
 def apply(training_args, defaults: Defaults) -> None:

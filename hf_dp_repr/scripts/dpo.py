@@ -29,11 +29,10 @@ from hf_dp_repr.scripts import utils as ru
 from hf_dp_repr.scripts.sft import (
     STDLIB_CHATS,
     USER_ID,
-    SFTArguments,
+    ChatArguments,
     answer,
     load_chats,
     load_tokenizer,
-    lora_config,
 )
 from hf_dp_repr.trl.dpo import DPDPOConfig, DPDPOTrainer
 
@@ -41,8 +40,9 @@ logger = logging.getLogger("hf_dp_repr.recipes.dpo")
 
 
 @dataclass
-class DPOArguments(SFTArguments):
-    """The SFT recipe's model, data and LoRA arguments, and the SFT run to start from."""
+class DPOArguments(ChatArguments):
+    """The SFT recipe's model, data and LoRA arguments, and the SFT run to start from. The DP-aware defaults are not
+    applied: TRL's DPO defaults are kept (no DPO run measured under DP here to choose others from)."""
 
     sft_model: str | None = field(default=None, metadata={
         "help": "Output folder of recipes/dp_sft.py (its DP adapter is merged into its base; that is the reference). "
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     train, evaluation = (None if d is None else preference_rows(d) for d in (chats, evaluation))
     tokenizer = load_tokenizer(margs)
     model = load_policy(margs, tokenizer, targs)
-    peft_config = lora_config(margs)
+    peft_config = margs.lora_config(default=True)
     card_info = ModelCardInfo(
         model_name=f"{margs.sft_model or margs.model_name_or_path} preference-tuned (DPO) on "
                    f"{ru.data_description(margs)}",

@@ -37,9 +37,9 @@ from hf_dp_repr.data.gguf_models import description
 from hf_dp_repr.data.user_data import warn_row_level_users
 from hf_dp_repr.errors import RecipeArgumentError
 from hf_dp_repr.hub.card import ModelCardInfo
-from hf_dp_repr.scripts import repr_compare
+from hf_dp_repr.scripts import checks, dp_defaults, recipe_report, repr_compare
 from hf_dp_repr.scripts import utils as ru
-from hf_dp_repr.scripts.arguments import ScriptArguments
+from hf_dp_repr.scripts.arguments import DefaultsArguments, LoraArguments, ScriptArguments
 from hf_dp_repr.trl.sft import DPSFTConfig, DPSFTTrainer
 
 logger = logging.getLogger("hf_dp_repr.recipes.sft")
@@ -48,8 +48,8 @@ USER_ID = "user_id"
 
 
 @dataclass
-class SFTArguments(repr_compare.ComparisonArguments, ScriptArguments):
-    """Model, data and LoRA of the SFT recipe."""
+class ChatArguments(repr_compare.ComparisonArguments, LoraArguments, ScriptArguments):
+    """Model, data and LoRA of the SFT and DPO recipes."""
 
     BUILT_IN_DATASETS = (STDLIB_CHATS,)  # built offline by this recipe, not looked up on the Hub (check_names)
 
@@ -64,44 +64,35 @@ class SFTArguments(repr_compare.ComparisonArguments, ScriptArguments):
     max_conversations: int | None = field(default=600, metadata={"help": f"'{STDLIB_CHATS}': at most this many."})
     max_per_user: int | None = field(default=15, metadata={"help": f"'{STDLIB_CHATS}': conversations per user."})
     eval_users: int = field(default=2, metadata={"help": f"'{STDLIB_CHATS}': users held out for evaluation."})
-    use_lora: bool = field(default=True, metadata={"help": "Train LoRA adapters (peft) instead of every weight."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling α."})
-    lora_target_modules: str = field(default="q_proj,v_proj", metadata={
-        "help": "Comma-separated module names, or 'all-linear' (the LM head excluded)."})
     sample_question: str = field(default="In json, what does this do: dumps?", metadata={
         "help": "A question the saved model answers through its chat template (greedy) for the result table."})
     sample_max_new_tokens: int = field(default=24, metadata={"help": "Length of that answer, in tokens."})
 
 
+@dataclass
+class SFTArguments(DefaultsArguments, ChatArguments):
+    """The SFT recipe's: `ChatArguments` and the DP-aware defaults' switch."""
+
+
 ARGUMENT_TYPES = (SFTArguments, DPSFTConfig)
-
-
-def lora_config(margs):
-    """The recipe's LoRA adapters (`--use_lora`, `--lora_r`, ...), or None for full fine-tuning."""
-    if not margs.use_lora:
-        return None
-    from peft import LoraConfig
-
-    targets = margs.lora_target_modules
-    return LoraConfig(r=margs.lora_r, lora_alpha=margs.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=targets if targets == "all-linear" else targets.split(","))
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the recipe; returns the final metrics (eval loss, ε, ...)."""
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     repr_compare.check_arguments(margs, targs)
-    if margs.compare_representations and not margs.use_lora:
-        raise RecipeArgumentError("--compare_representations needs --use_lora true: without adapters the recipe keeps "
-                                  "no copy of the base weights to compare with (compare with `hf-dp-repr analyze`).")
     if "privacy_unit" not in margs.given_options and ru.dataset_name(margs) == STDLIB_CHATS:
         targs.privacy_unit = USER_ID  # user-level privacy by default on the built-in data
     train, evaluation = load_chats(margs, targs.seed)
     warn_row_level_users(train.column_names, targs.privacy_unit)
     tokenizer = load_tokenizer(margs)
     model = load_model(margs, tokenizer, targs)
-    peft_config = lora_config(margs)
+    defaults = dp_defaults.fill_in_language(targs, margs, checks.private_count(train, targs), model,
+                                            pretrained=not ru.is_tiny(margs.model_name_or_path))
+    peft_config = margs.lora_config(default=True)
+    if margs.compare_representations and peft_config is None:
+        raise RecipeArgumentError("--compare_representations needs --use_lora true: without adapters the recipe keeps "
+                                  "no copy of the base weights to compare with (compare with `hf-dp-repr analyze`).")
     unit = "one user (all their conversations)" if targs.privacy_unit == USER_ID else "one conversation"
     card_info = ModelCardInfo(
         model_name=f"{margs.model_name_or_path} chat-tuned on {ru.data_description(margs)}",
@@ -116,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "them)" if getattr(tokenizer, "_trained_here", False) else "the base model and its tokenizer"))
     trainer = DPSFTTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)
+    trainer.plan_notes = recipe_report.plan_notes([], defaults)
     result = ru.train(trainer, margs.overwrite_output_dir)
     metrics = ru.finish_run(trainer, result, margs, push=push, extra_rows=lambda t: answer(t, margs))
     if margs.compare_representations and trainer.is_world_process_zero() and trainer.eval_dataset is not None:
