@@ -137,3 +137,66 @@ def test_a_learning_rate_given_keeps_the_rest_of_the_rule_and_dp_defaults_off_ke
     plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("DP-SGD plan"))
     assert "DP-aware defaults: off" in plan and "trains all parameters" in plan
     assert json.loads((tmp_path / "b" / "privacy_ledger.json").read_text())["phases"][0]["expected_batch_size"] == 8
+
+
+# ---- DP-aware defaults of the language recipes ----------------------------------------------------------------------
+def test_the_language_rule_chooses_scope_batch_and_rate_from_public_quantities():
+    from hf_dp_repr.scripts.dp_defaults import choose_language
+
+    big = choose_language(2000, set(), parameters=360_000_000, pretrained=True, peft_available=True).values
+    assert (big["use_lora"], big["optim"], big["learning_rate"], big["num_train_epochs"]) == (True, "adamw_torch",
+                                                                                             1e-3, 10)
+    assert (big["per_device_train_batch_size"], big["gradient_accumulation_steps"]) == (8, 62)  # 496 ≈ n/4
+    assert choose_language(2000, set(), 360_000_000, True, peft_available=False).values["use_lora"] is False
+    built = choose_language(2000, set(), 50_000, pretrained=False, peft_available=True).values
+    assert (built["use_lora"], built["learning_rate"]) == (False, 5e-4)  # every parameter of a model built here
+    given = {"use_lora", "learning_rate", "max_steps", "gradient_accumulation_steps"}
+    chosen = choose_language(2000, given, 360_000_000, True, True, use_lora=False, gradient_accumulation_steps=2).values
+    assert not given & set(chosen) and "num_train_epochs" not in chosen
+    assert chosen["per_device_train_batch_size"] == 8 and chosen["optim"] == "adamw_torch"
+
+
+def _plan(caplog) -> str:
+    return next(r.getMessage() for r in caplog.records if r.getMessage().startswith("DP-SGD plan"))
+
+
+def test_train_lm_applies_the_rule_says_why_in_the_plan_and_keeps_a_given_flag(tmp_path, caplog):
+    """`train lm` with no training hyperparameter: the expected batch is a quarter of the private documents (the
+    Trainer's was 8), AdamW at 5e-4 on every parameter of the tiny model, and the plan says why; a batch given wins."""
+    import json
+    import logging
+
+    from hf_dp_repr.scripts import causal_lm
+
+    argv = ["--target_epsilon", "8", "--target_delta", "1e-5", "--max_steps", "1", "--public_epochs", "1",
+            "--public_model_dir", str(tmp_path / "public"), "--max_eval_blocks", "8", "--sample_prompt", "",
+            "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        causal_lm.main(argv + ["--output_dir", str(tmp_path / "a")])
+    plan = _plan(caplog)
+    assert "--use_lora False" in plan and "--learning_rate 0.0005" in plan and "--optim adamw_torch" in plan
+    ledger = json.loads((tmp_path / "a" / "privacy_ledger.json").read_text())
+    n = ledger["dataset_size"]  # private documents
+    assert ledger["phases"][0]["expected_batch_size"] == 8 * (round(n / 4) // 8) > 100
+    causal_lm.main(argv + ["--output_dir", str(tmp_path / "b"), "--per_device_train_batch_size", "4"])
+    ledger = json.loads((tmp_path / "b" / "privacy_ledger.json").read_text())
+    assert ledger["phases"][0]["expected_batch_size"] == 4  # accumulation is not chosen with a batch given
+
+
+def test_train_sft_applies_the_rule_and_a_given_use_lora_wins(tmp_path, caplog):
+    """`train sft` on the built-in chats, with --use_lora true given: the adapters train (the flag wins), at the
+    rule's LoRA rate with a quarter of the users per expected batch, and the plan says why."""
+    import json
+    import logging
+
+    from hf_dp_repr.scripts import sft
+
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        sft.main(["--use_lora", "true", "--lora_r", "2", "--max_length", "64",
+                  "--max_steps", "1", "--target_epsilon", "8", "--target_delta", "1e-3", "--output_dir",
+                  str(tmp_path / "sft"), "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"])
+    plan = _plan(caplog)
+    assert "--learning_rate 0.001" in plan and "--use_lora" not in plan and "trains PEFT adapters" in plan
+    ledger = json.loads((tmp_path / "sft" / "privacy_ledger.json").read_text())
+    n = ledger["dataset_size"]  # users
+    assert n >= 32 and ledger["phases"][0]["expected_batch_size"] == 8 * (max(16, round(n / 4)) // 8)  # TRL's: 8
