@@ -87,16 +87,23 @@ def interpolate_positions(model) -> None:
     if not takes_interpolation_flag(target) or getattr(target, "_hf_dp_repr_interpolates", False):
         return
     size = getattr(target.config, "image_size", None)
-    want = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    target.register_forward_pre_hook(PassInterpolationFlag(tuple(size) if isinstance(size, (tuple, list)) else
+                                                           (size, size)), with_kwargs=True)
+    target._hf_dp_repr_interpolates = True
 
-    def pass_flag(module, args, kwargs):
+
+class PassInterpolationFlag:
+    """The forward pre-hook of `interpolate_positions` (a class, so that a model holding it still pickles)."""
+
+    def __init__(self, size: tuple):
+        self.size = size
+
+    def __call__(self, module, args, kwargs):
         pixels = kwargs.get("pixel_values", args[0] if args else None)
-        if kwargs.get(INTERPOLATE) is None and getattr(pixels, "ndim", 0) == 4 and tuple(pixels.shape[-2:]) != want:
+        other_size = getattr(pixels, "ndim", 0) == 4 and tuple(pixels.shape[-2:]) != self.size
+        if other_size and kwargs.get(INTERPOLATE) is None:
             kwargs = {**kwargs, INTERPOLATE: True}
         return args, kwargs
-
-    target.register_forward_pre_hook(pass_flag, with_kwargs=True)
-    target._hf_dp_repr_interpolates = True
 
 
 # ---- arrays and subsets ---------------------------------------------------------------------------------------
