@@ -134,11 +134,13 @@ def test_a_vit_takes_the_image_size_given(tmp_path):
     np.savez(tmp_path / "d.npz", x_train=rng.integers(0, 255, (8, 32, 32, 3), dtype=np.uint8), y_train=np.arange(8) % 2,
              x_test=rng.integers(0, 255, (4, 32, 32, 3), dtype=np.uint8), y_test=np.arange(4) % 2,
              class_names=np.array(["a", "b"]))
-    metrics = image_recipe.main(["--model_name_or_path", str(tmp_path / "vit"), "--dataset_name",
-                                 str(tmp_path / "d.npz"), "--image_size", "48", "--dp_defaults", "off",
-                                 "--per_device_train_batch_size", "4", "--max_steps", "2", "--target_epsilon", "8",
-                                 "--target_delta", "1e-3", "--output_dir", str(tmp_path / "o"), "--report_to", "none",
-                                 "--save_strategy", "no", "--disable_tqdm", "true"])
+    argv = ["--model_name_or_path", str(tmp_path / "vit"), "--dataset_name", str(tmp_path / "d.npz"), "--image_size",
+            "48", "--max_steps", "2", "--target_epsilon", "8", "--target_delta", "1e-3", "--report_to", "none",
+            "--save_strategy", "no", "--disable_tqdm", "true"]
+    probe = image_recipe.main(argv + ["--output_dir", str(tmp_path / "probe")])  # the DP-aware defaults: a probe
+    assert 0 <= probe["eval_accuracy"] <= 1 and 0 < probe["epsilon"] <= 8
+    metrics = image_recipe.main(argv + ["--dp_defaults", "off", "--per_device_train_batch_size", "4", "--output_dir",
+                                        str(tmp_path / "o")])  # every parameter trains
     assert 0 <= metrics["eval_accuracy"] <= 1 and 0 < metrics["epsilon"] <= 8
     assert json.loads((tmp_path / "o" / "privacy_ledger.json").read_text())["steps_done"] == 2
     before, after = (ViTForImageClassification.from_pretrained(tmp_path / d) for d in ("vit", "o"))

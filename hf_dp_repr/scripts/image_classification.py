@@ -40,6 +40,7 @@ from hf_dp_repr.data import DIGITS, load_embedded
 from hf_dp_repr.data.images import (
     augment_images,
     image_processor_for,
+    interpolate_positions,
     load_npz,
     per_class_indices,
     read_index_file,
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         data["train"], label_col, margs.num_labels, others=[data["eval"]],
         model_id2label=None if ru.is_tiny(model_name) else checks.model_config_labels(model_name))
     model = _load_model(model_name, num_labels, id2label, data["train"], image_col, targs.seed)
+    interpolate_positions(model)  # a ViT at another --image_size (data.images; DPTrainer would, after the defaults)
     data, processor = _with_pixel_values(data, margs, model, image_col, label_col)
     collate = _collate
 
