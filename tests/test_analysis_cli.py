@@ -112,3 +112,19 @@ def test_stdlib_paragraphs_without_a_tokenizer_points_to_the_token_blocks(tmp_pa
     with pytest.raises(SystemExit, match="no tokenizer for the paragraphs of stdlib-docs; --dataset stdlib-blocks"):
         run_analyze(parse(["analyze", "--model", str(tmp_path / "gpt2"), "--dataset", "stdlib-docs",
                            "--out", str(tmp_path / "law")]))
+
+
+def test_a_vit_is_analysed_at_the_image_size_given(tmp_path):
+    """`analyze --image-size 48` on a 32-px ViT: its position embeddings interpolated in the analyzer's forward
+    (`analysis.inputs.load_model` installs `data.images.interpolate_positions`). Before: ViT's ValueError 'Input image
+    size (48*48) doesn't match model (32*32)'."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x_train=rng.integers(0, 255, (4, 32, 32, 3), dtype=np.uint8), y_train=np.arange(4) % 2,
+             x_test=rng.integers(0, 255, (24, 32, 32, 3), dtype=np.uint8), y_test=np.arange(24) % 2,
+             class_names=np.array(["a", "b"]))
+    tiny_vit(num_labels=2, image_size=32, patch_size=8, num_channels=3).save_pretrained(tmp_path / "vit")
+    args = parse(["analyze", "--model", str(tmp_path / "vit"), "--dataset", str(tmp_path / "d.npz"), "--image-size",
+                  "48", "--out", str(tmp_path / "law")])
+    assert run_analyze(args) == 0
+    assert json.loads((tmp_path / "law" / "representation_law.json").read_text())["models"]["vit"][
+        "num_examples"] == 24
