@@ -200,3 +200,21 @@ def test_train_sft_applies_the_rule_and_a_given_use_lora_wins(tmp_path, caplog):
     ledger = json.loads((tmp_path / "sft" / "privacy_ledger.json").read_text())
     n = ledger["dataset_size"]  # users
     assert n >= 32 and ledger["phases"][0]["expected_batch_size"] == 8 * (max(16, round(n / 4)) // 8)  # TRL's: 8
+
+
+def test_train_dpo_applies_the_rule_too(tmp_path, caplog):
+    """`train dpo` on the built-in chats' preference pairs (one user per unit), adapters asked for: the LoRA rate and
+    a quarter of the users per expected batch are chosen (TRL's DPO defaults were batch 8, learning rate 1e-6)."""
+    import json
+    import logging
+
+    from hf_dp_repr.scripts import dpo
+
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        dpo.main(["--use_lora", "true", "--lora_r", "2", "--max_length", "256", "--max_steps", "1",
+                  "--target_epsilon", "8", "--target_delta", "1e-3", "--output_dir", str(tmp_path / "dpo"),
+                  "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"])
+    plan = _plan(caplog)
+    assert "--learning_rate 0.001" in plan and "--gradient_accumulation_steps 2" in plan
+    ledger = json.loads((tmp_path / "dpo" / "privacy_ledger.json").read_text())
+    assert ledger["phases"][0]["expected_batch_size"] == 16  # n = 40 users: max(16, 40 / 4), micro-batches of 8

@@ -70,9 +70,9 @@ class LoraArguments:
     """LoRA adapters of the language recipes (peft)."""
 
     use_lora: bool | None = field(default=None, metadata={
-        "help": "Train LoRA adapters (peft) instead of every weight. Default: lm and sft choose by the DP-aware "
-                "defaults (adapters for a pretrained model of at least 100 M parameters when peft is installed, else "
-                "every weight); dpo, and sft with --dp_defaults off: true; lm with --dp_defaults off: false."})
+        "help": "Train LoRA adapters (peft) instead of every weight. Default: chosen by the DP-aware defaults "
+                "(adapters for a pretrained model of at least 100 M parameters when peft is installed, else every "
+                "weight); with --dp_defaults off the recipe's own (sft, dpo: true; lm: false)."})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling α."})
     lora_target_modules: str = field(default="q_proj,v_proj", metadata={

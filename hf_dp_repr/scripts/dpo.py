@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 
 from hf_dp_repr.errors import DataError
 from hf_dp_repr.hub.card import ModelCardInfo
+from hf_dp_repr.scripts import checks, dp_defaults, recipe_report
 from hf_dp_repr.scripts import utils as ru
+from hf_dp_repr.scripts.arguments import DefaultsArguments
 from hf_dp_repr.scripts.sft import (
     STDLIB_CHATS,
     USER_ID,
@@ -40,9 +42,9 @@ logger = logging.getLogger("hf_dp_repr.recipes.dpo")
 
 
 @dataclass
-class DPOArguments(ChatArguments):
-    """The SFT recipe's model, data and LoRA arguments, and the SFT run to start from. The DP-aware defaults are not
-    applied: TRL's DPO defaults are kept (no DPO run measured under DP here to choose others from)."""
+class DPOArguments(DefaultsArguments, ChatArguments):
+    """The SFT recipe's model, data and LoRA arguments, the DP-aware defaults' switch, and the SFT run to start
+    from."""
 
     sft_model: str | None = field(default=None, metadata={
         "help": "Output folder of recipes/dp_sft.py (its DP adapter is merged into its base; that is the reference). "
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     train, evaluation = (None if d is None else preference_rows(d) for d in (chats, evaluation))
     tokenizer = load_tokenizer(margs)
     model = load_policy(margs, tokenizer, targs)
+    pretrained = margs.sft_model is not None or not ru.is_tiny(margs.model_name_or_path)
+    defaults = dp_defaults.fill_in_language(targs, margs, checks.private_count(train, targs), model, pretrained)
     peft_config = margs.lora_config(default=True)
     card_info = ModelCardInfo(
         model_name=f"{margs.sft_model or margs.model_name_or_path} preference-tuned (DPO) on "
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         public_data="the DP SFT model (its own guarantee is in its card) and its tokenizer")
     trainer = DPDPOTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)
+    trainer.plan_notes = recipe_report.plan_notes([], defaults)
     result = ru.train(trainer, margs.overwrite_output_dir)
     composed = composed_epsilon(sft_ledger(margs.sft_model), trainer.ledger)
 
