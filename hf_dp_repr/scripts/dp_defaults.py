@@ -23,7 +23,7 @@ The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measur
   DINOv2-S, ~1.2 for MiniLM), capped; a zero-initialised head (known to help under DP); automatic clipping (each
   example's gradient scaled to norm about C, Bu et al. 2023; it helped at ε ≤ 1 in the measurements). AdamW at
   `FINE_TUNE_LR` when blocks train (Li et al. 2022's large-batch DP fine-tuning).
-- Language models (`train lm`, `train sft`, `train dpo`: `choose_language`, from n units, the model's size and whether it is
+- Language models (`train lm|sft|dpo`: `choose_language`, from n units, the model's size and whether it is
   pretrained): LoRA adapters for a pretrained model of at least `LORA_MIN_PARAMETERS` when peft is installed, else
   every parameter; the same expected batch in micro-batches of `LANGUAGE_MICRO_BATCH`; `FINE_TUNE_EPOCHS` epochs;
   AdamW at `LORA_LR` (adapters) or `FINE_TUNE_LR`. Not measured here (the rates are the literature's).
@@ -147,7 +147,7 @@ def _set_batch(out: Defaults, n: int, given: set[str], micro: int | None, gradie
     return batch
 
 
-# ---- language models (`train lm`, `train sft`) ------------------------------------------------------------------
+# ---- language models (`train lm|sft|dpo`) ----------------------------------------------------------------------
 def choose_language(n: int, given: set[str], parameters: int, pretrained: bool, peft_available: bool,
                     use_lora: bool | None = None, gradient_accumulation_steps: int = 1,
                     world_size: int = 1) -> Defaults:
