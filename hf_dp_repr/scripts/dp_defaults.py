@@ -47,8 +47,8 @@ PROBE_SAMPLE_RATE = 0.25  # expected batch = q·n ...
 MIN_BATCH, MAX_BATCH = 16, 1024  # ... within these bounds (and at most n)
 MICRO_BATCH = 32  # examples per forward/backward when blocks train (the rest is gradient accumulation)
 PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
-# SGD learning rate of a probe: 0.9·ε / s, at most 8 / s, where s is the norm of the head's input on a data-free
-# input (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
+# SGD learning rate of a probe: 0.9·ε / s, at most 8 / s, where s is the scale of the head's input on data-free
+# inputs (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
 PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.9, 8.0
 FINE_TUNE_LR = 5e-4  # AdamW, when blocks train
 ADAM_PROBE_LR = 0.05  # a probe with an Adam-type --optim the user gave
@@ -118,9 +118,9 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
             scale = feature_norm or 1.0
             lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0)) / scale
             out.set("learning_rate", float(f"{lr:.3g}"),
-                    f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the norm of the "
-                    "head's input on a data-free input: the best learning rate grows about linearly with ε, and a "
-                    "step moves the logits by about lr·C·s")
+                    f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the scale of the "
+                    "head's input on data-free inputs (images: a black vs a white one): the best learning rate grows "
+                    "about linearly with ε, and a step moves the logits by about lr·C·s")
         else:
             lr = FINE_TUNE_LR if not probe else ADAM_PROBE_LR
             out.set("learning_rate", lr, "Adam's step under DP noise, with a large batch" if not probe else
