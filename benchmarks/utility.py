@@ -169,6 +169,25 @@ def run_proxy(args, techniques: dict) -> dict:
     return acc
 
 
+def search_cost(epsilon: float, steps: int, runs: list[int]) -> None:
+    """ε (dp_accounting PLD, add/remove, δ = 1e-4) of k proxy runs on the same private 1000, each at σ calibrated for
+    `epsilon` (full batch: `steps` Gaussian mechanisms a run): what a search over k settings spends."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from hf_dp_repr import DPTrainingArguments
+    from hf_dp_repr.training.plan import plan_run
+
+    args = DPTrainingArguments(output_dir=tempfile.gettempdir(), target_epsilon=epsilon, target_delta=1e-4,
+                               accountant="prv", per_device_train_batch_size=1000, max_steps=steps, report_to="none")
+    sigma = plan_run(args, dataset_size=1000).phases[0].noise_multiplier
+    for k in runs:
+        accountant = pld_privacy_accountant.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), steps * k))
+        print(f"target ε {epsilon:g} (σ = {sigma:.4g}): {k} run(s) of {steps} full-batch steps compose to "
+              f"ε = {accountant.get_epsilon(1e-4):.3f} at δ = 1e-4")
+
+
 def final_clip_norm(trainer) -> float:
     """C after the last step: adaptive clipping's last entry of the ledger's `clip_norms`, else the fixed C."""
     return float(trainer.ledger.clip_norm)
@@ -193,6 +212,8 @@ def main(argv=None) -> None:
                         help="proxy: clipping norms C, each a row (adaptive clipping: its initial C)")
     parser.add_argument("--adaptive_clipping", help="proxy: DPTrainingArguments.adaptive_clipping, e.g. "
                         "count_share=0.1 (docs/adaptive-clipping.md)")
+    parser.add_argument("--search_cost", nargs="+", type=int, help="proxy: only print the ε that this many runs at "
+                        "--epsilon compose to (a search over that many settings), e.g. 1 5 6")
     parser.add_argument("--ema_decay", type=float)
     parser.add_argument("--augmentation_multiplicity", type=int)
     parser.add_argument("--probe_preconditioning")
@@ -204,6 +225,9 @@ def main(argv=None) -> None:
     args.recipe_args = argv[cut + 1:]
     torch.set_num_threads(1)
     techniques = available({name: getattr(args, name) for name in TECHNIQUES})
+    if args.search_cost:
+        search_cost(args.epsilon, args.steps, args.search_cost)
+        return
     start = time.time()
     if args.what == "demo":
         acc = run_demo(args, techniques)
