@@ -9,6 +9,7 @@ the plan line's "probe" figure is the probe's own share.
 
     python benchmarks/lora_1b_start.py                      # dp then plain, 3 steps each, one process each
     python benchmarks/lora_1b_start.py --contenders dp --profile /tmp/start.prof   # cProfile of the start
+    python benchmarks/lora_1b_start.py --small            # the same run at ~60M parameters, in a minute
 
 The run needs ~10 GB of memory: run it alone (`flock /work/notes/heavy.lock ...` on the shared machine).
 """
@@ -26,6 +27,8 @@ import time
 
 CONFIG = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=32,
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+SMALL = dict(CONFIG, hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8,
+             num_key_value_heads=2)  # --small: the same shape of run at ~60M parameters (no lock needed)
 
 
 def rss() -> int:
@@ -55,7 +58,7 @@ class Peak:
         return self.peak
 
 
-def one(contender: str, steps: int, profile: str | None) -> dict:
+def one(contender: str, steps: int, profile: str | None, config: dict) -> dict:
     """Build, train `steps` steps, return the figures (run in a child process)."""
     import torch
     from datasets import Dataset
@@ -68,13 +71,13 @@ def one(contender: str, steps: int, profile: str | None) -> dict:
     batch, seq = 2, 256
     n = 64
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, CONFIG["vocab_size"], (n, seq), generator=g)
+    ids = torch.randint(0, config["vocab_size"], (n, seq), generator=g)
     data = Dataset.from_dict({"input_ids": ids.numpy(), "attention_mask": torch.ones_like(ids).numpy(),
                               "labels": ids.numpy()}).with_format("torch")
     peak = Peak()
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    model = LlamaForCausalLM(LlamaConfig(**config))
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
                                              lora_dropout=0.0))
     built = time.perf_counter() - t0
@@ -123,16 +126,19 @@ def main() -> None:
     parser.add_argument("--profile", help="cProfile the DP run's train() into this file")
     parser.add_argument("--default-malloc", action="store_true",
                         help="glibc's default allocator (as users run): freed memory may stay in the process")
+    parser.add_argument("--small", action="store_true", help="a ~60M-parameter model of the same shape (a smoke test)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(one(args.child, args.steps, args.profile)), flush=True)
+        print(json.dumps(one(args.child, args.steps, args.profile, SMALL if args.small else CONFIG)), flush=True)
         return
     for contender in args.contenders:
         env = dict(os.environ) if args.default_malloc else {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
         cmd = [sys.executable, __file__, "--child", contender, "--steps", str(args.steps)]
         if args.profile:
             cmd += ["--profile", args.profile]
+        if args.small:
+            cmd.append("--small")
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
         print(out.stdout.strip().splitlines()[-1], flush=True)
 
