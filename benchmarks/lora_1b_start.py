@@ -116,7 +116,8 @@ def one(contender: str, steps: int, profile: str | None, config: dict) -> dict:
     return {"contender": contender, "build_s": round(built, 1), "start_s": round(marks["first_step"] - start, 2),
             "step_s": [round(s, 2) for s in step_times], "peak_mb": round(peak_bytes / 2**20),
             "start_peak_mb": round(marks["start_peak"] / 2**20), "base_mb": round(peak.base / 2**20),
-            "hwm_mb": round(high_water() / 2**20), "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default")}
+            "hwm_mb": round(high_water() / 2**20), "malloc": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default"),
+            "probe_s": None if contender == "plain" else trainer.start_checks.seconds}
 
 
 def main() -> None:
