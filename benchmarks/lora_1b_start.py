@@ -1,7 +1,7 @@
-"""A Llama-style ~1B model with LoRA (r = 16 on q_proj, v_proj), sequence 256, batch 2: DPTrainer's fixed cost before
+"""A Llama-style 0.84B model with LoRA (r = 16 on q_proj, v_proj), sequence 256, batch 2: DPTrainer's fixed cost before
 the first step (the start-of-training checks) and the peak resident memory of DP-SGD against the non-private Trainer.
 
-Each contender runs alone in a fresh process (random weights from a LlamaConfig, fp32, ~4 GB), with
+Each contender runs alone in a fresh process (random weights from a LlamaConfig, fp32, 3.2 GB), with
 `MALLOC_MMAP_THRESHOLD_=65536` so that freed tensors go back to the OS and the RSS (sampled every millisecond from
 /proc) counts what the run holds; "peak" is the largest RSS above the RSS before the model was built. "start" is the
 time from `train()` to the first step's beginning (DPTrainer: the input checks, the probe, the plan, the engine);
