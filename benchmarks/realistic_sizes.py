@@ -78,8 +78,14 @@ def build(name: str):
     """(model, dataset, batch) of a configuration: random weights (seed 0), LoRA applied to the model."""
     import torch
     from datasets import Dataset
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, ViTConfig
-    from transformers import ViTForImageClassification
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        ViTConfig,
+        ViTForImageClassification,
+    )
 
     family, kwargs, batch, seq, lora = CONFIGS[name]
     config_class, model_class = {"gpt2": (GPT2Config, GPT2LMHeadModel), "llama": (LlamaConfig, LlamaForCausalLM),
