@@ -9,6 +9,7 @@ fixed-size shuffled batches, AdamW; the non-private contender is `transformers.T
     llama-1b-lora    Llama-style (hidden 2048, 16 layers, `benchmarks/lora_1b_start.py`'s config), LoRA r = 16 on
                      q_proj, v_proj, sequence 256, batch 2
     vit, gpt2        `benchmarks/throughput.py`'s small configs (ViT 5.4M, batch 64; GPT-2 6.9M, batch 16)
+    tiny-gpt2-lora   a smoke test (`tests/test_throughput_bench.py`)
 
 Every run is a fresh process (so a run never inherits another's allocator state or caches). Speed: `--rounds`
 interleaved rounds, each running non-private then DP (the order alternates between rounds), each `--warmup` steps
@@ -47,6 +48,8 @@ CONFIGS = {  # name: (family, config kwargs, batch, sequence length, LoRA (r, ta
     "vit": ("vit", dict(image_size=32, patch_size=4, hidden_size=192, num_hidden_layers=12, num_attention_heads=3,
                         intermediate_size=768, num_labels=10), 64, None, None),
     "gpt2": ("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, n_positions=128), 16, 128, None),
+    "tiny-gpt2-lora": ("gpt2", dict(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=16), 4, 16,
+                       (4, ["c_attn"])),  # a smoke test's
 }
 SMALL = ["vit", "gpt2"]
 
@@ -171,7 +174,7 @@ def benchmark(name: str) -> None:
     ratio = statistics.median(steps["non-private"]) / statistics.median(steps["dp"])
     per_round = [a / b for a, b in zip(round_median["non-private"], round_median["dp"])]
     start = {c: statistics.median(starts[c]) for c in contenders}
-    print(f"| {name} | {statistics.median(steps['non-private']):.2f} | {statistics.median(steps['dp']):.2f} | "
+    print(f"| {name} | {statistics.median(steps['non-private']):.3f} | {statistics.median(steps['dp']):.3f} | "
           f"{ratio:.2f} | {min(per_round):.2f} – {max(per_round):.2f} | {peaks['non-private']:.0f} | "
           f"{peaks['dp']:.0f} | {peaks['dp'] / peaks['non-private']:.2f} | {start['non-private']:.1f} | "
           f"{start['dp']:.1f} | {start['dp'] - start['non-private']:.1f} |", flush=True)
@@ -180,7 +183,8 @@ def benchmark(name: str) -> None:
 def main() -> None:
     global ARGS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if not c.startswith("tiny")],
+                        choices=list(CONFIGS))
     parser.add_argument("--small", action="store_true", help=f"the small configs only ({', '.join(SMALL)})")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
