@@ -19,10 +19,12 @@ median step of each contender, and "per round" the range of that ratio over the 
 engine), median over the rounds; the DP figure minus the non-private one is the fixed cost DP adds to every run.
 Memory: each contender once more alone, one warm-up and one step, with `MALLOC_MMAP_THRESHOLD_=65536` so freed
 tensors leave the resident set (RSS, sampled every millisecond from /proc): the peak RSS above the RSS before the
-model is built (not used for speed: that allocator slows every run, see `throughput.py`).
+model is built (not used for speed: that allocator slows every run, see `throughput.py`). `--limit`: the arithmetic
+DP adds to the step (the per-example norms' Gram matrices and dot products, the noise draws) timed alone in one more
+process; the non-private step plus it is the best this engine can do (`limit`).
 
     python benchmarks/realistic_sizes.py --small              # the small configs, a few minutes on 2 cores
-    python benchmarks/realistic_sizes.py --configs gpt2-124m --rounds 3
+    python benchmarks/realistic_sizes.py --configs gpt2-124m --rounds 3 --limit   # and the best ratio possible
     python benchmarks/realistic_sizes.py --configs llama-1b-lora --rounds 2 --steps 2   # ~10 GB: run it alone
 """
 
@@ -148,6 +150,41 @@ def child(name: str, contender: str) -> dict:
             "peak_bytes": peak.stop() if peak else None}
 
 
+def limit(name: str) -> dict:
+    """The arithmetic DP must add to the non-private step, timed alone (median of `--steps`): the ghost engine's
+    per-example norms (the Gram matrices of every trained layer at its shape, and their dot products) on one real
+    batch's inputs and output gradients, and the Gaussian noise of every trained tensor (one draw per tensor, as the
+    step draws it). The non-private step plus these is the fastest a DP step of this engine can be."""
+    import torch
+
+    from hf_dp_repr.privacy.ghost_clipping import GhostClippingEngine
+    from hf_dp_repr.privacy.grad_samplers import batch_position_ids
+    from hf_dp_repr.privacy.loss import is_causal_lm, per_example_loss
+
+    model, data, batch = build(name)
+    model.train()
+    inputs = dict(data[:batch])
+    labels = inputs.pop("labels")
+    batch_position_ids(model, inputs)
+    engine = GhostClippingEngine(model)
+    with engine.recording(batch):
+        per_example_loss(model(**inputs).logits, labels, shift_labels=is_causal_lm(model)).sum().backward()
+    sizes = [p.numel() for p in engine.params]
+    buffer, generator = torch.empty(max(sizes)), torch.Generator().manual_seed(0)
+
+    def noise():
+        for n in sizes:
+            buffer[:n].normal_(0.0, 1.0, generator=generator)
+
+    times = {"norms_s": [], "noise_s": []}
+    for _ in range(ARGS.warmup + ARGS.steps):
+        for key, work in (("norms_s", engine.squared_norms), ("noise_s", noise)):
+            start = time.perf_counter()
+            work()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t[ARGS.warmup:]) for key, t in times.items()}
+
+
 def run_child(name: str, contender: str, memory: bool) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--child", name, contender, "--steps", str(ARGS.steps),
             "--warmup", str(ARGS.warmup)] + (["--memory"] if memory else [])
@@ -172,6 +209,11 @@ def benchmark(name: str) -> None:
     peaks = {c: run_child(name, c, memory=True)["peak_bytes"] / 2**20 if ARGS.memory_runs else float("nan")
              for c in contenders}
     ratio = statistics.median(steps["non-private"]) / statistics.median(steps["dp"])
+    if ARGS.limit:
+        extra = run_child(name, "limit", memory=False)
+        plain = statistics.median(steps["non-private"])
+        print(f"{name}: per-example norms {extra['norms_s']:.3f} s, noise {extra['noise_s']:.3f} s a step: the limit "
+              f"is {plain / (plain + extra['norms_s'] + extra['noise_s']):.2f}× non-private", flush=True)
     per_round = [a / b for a, b in zip(round_median["non-private"], round_median["dp"])]
     start = {c: statistics.median(starts[c]) for c in contenders}
     print(f"| {name} | {statistics.median(steps['non-private']):.3f} | {statistics.median(steps['dp']):.3f} | "
@@ -190,6 +232,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-memory", dest="memory_runs", action="store_false", help="skip the peak-RSS runs")
+    parser.add_argument("--limit", action="store_true",
+                        help="also time what DP adds (norms, noise) alone: the best ratio this engine can reach")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # internal: one run, in a fresh process
     parser.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     ARGS = parser.parse_args()
@@ -204,7 +248,7 @@ def main() -> None:
         import io
 
         with contextlib.redirect_stdout(io.StringIO()):  # the Trainer's metrics
-            result = child(*ARGS.child)
+            result = limit(ARGS.child[0]) if ARGS.child[1] == "limit" else child(*ARGS.child)
         print(json.dumps(result), flush=True)
         return
     names = SMALL if ARGS.small else ARGS.configs
