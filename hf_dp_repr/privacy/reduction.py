@@ -48,7 +48,7 @@ class NoisySum:
     """One logical step's inputs to a reduction strategy (this process's view)."""
 
     params: list[torch.nn.Parameter]
-    sums: list[torch.Tensor]  # what this process kept (`fold`) of each parameter's clipped sums, float32
+    sums: list[torch.Tensor]  # what this process kept (`fold`) of each clipped sum, float32; the step's own (in place)
     noise_multiplier: float  # σ of the current phase
     max_grad_norm: float  # C
     expected_batch_size: int  # L, the expected global logical batch of the current phase
