@@ -89,7 +89,7 @@ def reduction(name: str) -> Reduction:
 class _NoiseDraws:
     """Adds N(0, std²) to each sum in turn, in place (the sums are the step's own, fresh tensors), drawn from the
     step's generator one tensor at a time: exactly the draws of Opacus' `_generate_noise` (one `normal_` per tensor,
-    same generator, same order; `test_reduction`), without its zeros and copies. The draws go into one buffer,
+    same generator, same order; `test_randomness`), without its zeros and copies. The draws go into one buffer,
     reused: on CPU the cost is the numbers drawn, not the calls (GPT-2 124M: 148 tensors, 124M numbers).
     secure_mode keeps Opacus' function (its draws differ on purpose). No generator: nothing is added."""
 
