@@ -110,7 +110,7 @@ def table_of(rows: dict, titles: dict) -> str:
     for name, r in rows.items():
         if name == "public_only":
             eps = "0 (no private data)"
-        elif r["epsilon"] is None and r["noise_multiplier"] == [0]:  # the ledger stores ε = ∞ as null
+        elif r["epsilon"] is None and not any(r["noise_multiplier"] or [1]):  # σ = 0 in every phase: ε = ∞ (null)
             eps = "∞"
         else:
             eps = f(r["epsilon"], ".3f")
