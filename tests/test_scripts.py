@@ -361,7 +361,7 @@ def test_summary_json_has_no_infinity_and_says_which_run_is_not_private():
     assert "law_entry" not in runs["dp_eps8"] and summary["private_data_helps"] is False
     table = demo_report.table_of(rows, demo.ROW_TITLES)
     assert "| non_private | LP→FT, not private | ∞ |" in table  # the printed table still says ∞
-    rows["non_private"]["noise_multiplier"] = [0.0, 0.0]  # LP→FT: one σ per phase, both 0
+    rows["non_private"].update(epsilon=None, noise_multiplier=[0.0, 0.0])  # as its ledger has it after LP→FT
     assert "| non_private | LP→FT, not private | ∞ |" in demo_report.table_of(rows, demo.ROW_TITLES)
     assert "ρ: the decay per layer" in table and "1.00 0.90 |" in table  # ρ and CKA explained where printed
 
