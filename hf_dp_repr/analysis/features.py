@@ -95,8 +95,8 @@ def analyze_representations(
         if len(labels) == 0:  # e.g. a batch of one-token sequences: nothing to predict
             continue
         if not res:
-            res = [ResidualStats(num_classes=one_hot_classes) if task in LABELLED
-                   else ResidualStats(class_codes=next_token_codes(_vocab_size(model, labels))) for _ in layers]
+            codes = None if task in LABELLED else next_token_codes(_vocab_size(model, labels))  # one table, shared
+            res = [ResidualStats(num_classes=one_hot_classes, class_codes=codes) for _ in layers]
             sep = [SeparationStats() for _ in layers] if task in LABELLED else []
         for stats, feats in zip(res, layers):
             stats.update(feats, labels)
