@@ -181,7 +181,9 @@ def analyze(report: dict, models: dict[str, str], out: Path, rows: int) -> None:
     from hf_dp_repr.scripts import repr_compare
 
     folders = {name: report["settings"][label]["folder"] for name, label in models.items()}
-    data = held_out_text(load(folders["public (base)"])[1], rows)
+    from transformers import AutoTokenizer
+
+    data = held_out_text(AutoTokenizer.from_pretrained(folders["public (base)"]), rows)  # the same for all three
     loaders = {name: (lambda folder=folder: load(folder)[0]) for name, folder in folders.items()}
     report["law"] = repr_compare.compare(loaders, data, out, max_examples=None,
                                          title="SmolLM2-135M-Instruct, held-out stdlib paragraphs")
