@@ -77,7 +77,7 @@ def perplexity(model, tok, conversations, max_length: int) -> float:
 @torch.no_grad()
 def answers(model, tok, conversations, n: int, max_new_tokens: int) -> list[tuple[str, str]]:
     out = []
-    for messages in conversations[:n]:
+    for messages in conversations[::max(1, len(conversations) // n)][:n]:  # spread over the held-out users
         ids = tok.apply_chat_template(messages[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
         gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         out.append((messages[0]["content"], tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)))
@@ -89,7 +89,8 @@ def train(args, work: Path, label: str, epsilon: float | None) -> tuple[str, dic
     config = yaml.safe_load(CONFIG.read_text())
     config.update(max_steps=args.steps, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
                   max_length=args.max_length, max_per_user=args.max_per_user, eval_users=args.eval_users,
-                  max_conversations=args.max_conversations, learning_rate=args.learning_rate, sample_question="")
+                  max_conversations=args.max_conversations, learning_rate=args.learning_rate, sample_question="",
+                  privacy_unit=args.privacy_unit)
     if epsilon is None:
         config.pop("target_epsilon")
         config.update(noise_multiplier=0.0, clipping="none")
@@ -125,6 +126,11 @@ def main() -> None:
     p.add_argument("--max_conversations", type=int, default=None)
     p.add_argument("--eval_users", type=int, default=6)
     p.add_argument("--questions", type=int, default=2)
+    p.add_argument("--privacy_unit", default="user_id",
+                   help="user_id (one user, all their conversations) or row (one conversation)")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="run only these settings (labels as in the JSON), adding them to --out's smollm2.json: one "
+                        "process per setting, so a shared machine's lock can be released between them")
     p.add_argument("--analyze", action="store_true")
     p.add_argument("--analyze_rows", type=int, default=400, help="held-out paragraphs for --analyze")
     p.add_argument("--out", default="out/smollm2-bench")
@@ -134,13 +140,17 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="smollm2-bench-"))
+    work = Path(tempfile.mkdtemp(prefix="smollm2-bench-", dir=out))
     chats = held_out(args)
     # the largest ε first, and the law right after its first run: a partial run (time out) already compares
     settings = [("base", None, resolve_model_path(NAME), {}), ("non-private", None, None, None)]
     for eps in sorted(args.epsilons, reverse=True):
         settings += [(f"dp-eps{eps:g}-run{r}", eps, None, None) for r in range(args.runs)]
     report, started = {"args": vars(args), "held_out_conversations": len(chats), "settings": {}}, time.time()
+    if args.only:
+        settings = [s for s in settings if s[0] in args.only]
+        if (out / "smollm2.json").exists():
+            report["settings"] = json.loads((out / "smollm2.json").read_text())["settings"]
     for label, eps, folder, run in settings:
         if folder is None:
             folder, run = train(args, work, label, eps)

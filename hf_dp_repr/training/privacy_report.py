@@ -46,9 +46,10 @@ class DPPublishedLogs(Trainer):
 
 
 def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model, block_stack, describe_scope,
-                  trained_params) -> None:
+                  trained_params, start_checks: str | None = None) -> None:
     """Log the run's plan (`ledger.plan`: the checkpoint's when resuming): σ, q, steps, ε at its end, and per phase
-    i what trains (`describe_scope(i)`, `trained_params(i)`); warnings for a seeded noise, no noise, no Poisson."""
+    i what trains (`describe_scope(i)`, `trained_params(i)`); warnings for a seeded noise, no noise, no Poisson.
+    `start_checks`: what the start-of-training checks cost (`training.start_checks`)."""
     led = ledger.plan
     warn_if_openmp_spins()  # torch loaded before hf_dp_repr, with spinning threads, on a busy machine
     if led.randomness == "seeded":
@@ -84,6 +85,8 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
                      f"{describe_scope(i)}")
         lines.append(describe_trainable(model, trained_params(i), phase.noise_multiplier,
                                         led.per_sample_max_grad_norm, phase.expected_batch_size, stack))
+    if start_checks is not None:
+        lines.append(start_checks)
     logger.info("\n".join(lines))
     for i, phase in enumerate(led.phases):
         warn_if_noise_drowns_updates(phase, sum(p.numel() for p in trained_params(i)))
