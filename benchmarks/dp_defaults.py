@@ -12,10 +12,11 @@ the class names are the folder names), with the real pretrained DINOv2-S of `../
 the family's defaults). `text`: six modules' docstring paragraphs of Python's standard library (`stdlib-topics`)
 with their module name as a string label, written as CSV (`text,category`) and loaded as the user's own data. Each
 row of the table is a recipe run with nothing but the model, the data, ε and the output folder given (plus `--extra`);
-the reference is the same probe non-private (`--noise_multiplier 0 --clipping none`), plain SGD at the DP runs'
-learning rate and at 4× it, the better of the two. Runs share one process, so the
-frozen backbone's features are computed once. `snr` is the expected signal-to-noise of an update the run's plan
-gives (`hf_dp_repr.training.privacy_report.update_snr`: C over the noise norm of the averaged update).
+the reference is the same probe non-private (`--trainable_blocks 0 --noise_multiplier 0 --clipping none`), plain
+SGD at the DP runs' learning rate and at 4× it, the better of the two. `--variants` adds rows with options given.
+Runs share one process, so the frozen backbone's features are computed once. `snr` is the expected signal-to-noise
+of an update the run's plan gives (`hf_dp_repr.training.privacy_report.update_snr`: C over the noise norm of the
+averaged update).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main(argv=None):
     parser.add_argument("--test_per_class", type=int, default=20)
     parser.add_argument("--work", default="out/dp_defaults")
     parser.add_argument("--no_reference", action="store_true", help="skip the non-private reference run")
+    parser.add_argument("--variants", nargs="+", default=[], help="more rows in the same process (the features "
+                        "computed once), each a quoted string of recipe options, e.g. '--learning_rate 0.1'")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="recipe options given on top")
     args = parser.parse_args(argv)
     work = Path(args.work)
@@ -143,13 +146,21 @@ def main(argv=None):
     else:
         data, model = csv_as_dataset(make_text_csv(work), work), None  # the recipe's default model
     rows = [run(args.task, data, model, work / "run", s, args.epsilon, args.extra) for s in args.seeds]
-    refs = []  # plain SGD at the DP runs' learning rate and 4× it; the better one counts
+    variants = {flags: [run(args.task, data, model, work / "run", s, args.epsilon, flags.split() + args.extra)
+                        for s in args.seeds] for flags in args.variants}
+    refs = []  # a plain SGD probe at the DP runs' learning rate and 4× it; the better one counts
     for lr in ([] if args.no_reference else [rows[0]["learning_rate"], 4 * rows[0]["learning_rate"]]):
-        extra = ["--optim", "sgd", "--learning_rate", str(lr), *args.extra]
+        extra = ["--trainable_blocks", "0", "--optim", "sgd", "--learning_rate", str(lr), *args.extra]
         refs.append({**run(args.task, data, model, work / "run", 0, None, extra), "learning_rate": lr})
     ref = max(refs, key=lambda r: r["accuracy"]) if refs else None
     accs = [100 * r["accuracy"] for r in rows]
+    for flags, vrows in variants.items():
+        vaccs = [100 * r["accuracy"] for r in vrows]
+        sd = statistics.stdev(vaccs) if len(vaccs) > 1 else 0.0
+        print(f"variant {flags}: {statistics.mean(vaccs):.1f} ± {sd:.1f} % ({', '.join(f'{a:.1f}' for a in vaccs)})",
+              flush=True)
     summary = {"task": args.task, "epsilon": args.epsilon, "extra": args.extra, "runs": rows, "references": refs,
+               "variants": variants,
                "mean": statistics.mean(accs), "sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
                "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (work / f"{args.task}.json").write_text(json.dumps(summary, indent=2))

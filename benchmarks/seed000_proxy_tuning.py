@@ -46,7 +46,7 @@ import time
 import numpy as np
 import torch
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+DATA = os.environ.get("HF_DP_REPR_SHARED_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 NPZ = os.path.join(DATA, "cifar10_partial.npz")
 MODEL = os.path.join(DATA, "dinov2-small-imgfocus")
 CACHE = os.environ.get("HF_DP_REPR_PROXY_CACHE",

@@ -7,8 +7,11 @@ its own process (its peak RSS from /usr/bin/time, its steps/s from the run's all
   - held-out perplexity: exp of the mean NLL of the assistant's tokens (the chat template's generation blocks) of the
     held-out users' conversations (the recipe's eval split: its last --eval_users users, whole);
   - the greedy answer to held-out questions (real text, for the docs);
-  - with --analyze: `hf-dp-repr analyze` of the base, the first DP run at the largest ε and the non-private run on
-    stdlib-paragraphs' test split: the prediction residual PR_l across the 30 layers (JSON, table, plot).
+  - with --analyze: the language recipes' comparison (`hf_dp_repr.scripts.repr_compare`) of the base (the public
+    model), the first DP run at the largest ε and the non-private run on held-out text: stdlib-paragraphs less every
+    paragraph a conversation quotes (--analyze_rows rows of at most 64 tokens, evenly spaced): the next-token
+    prediction residual PR_l across the 30 layers (<out>/law/representation_comparison/: table.md,
+    layers.png, comparison.json).
 
     python benchmarks/smollm2.py --runs 3 --epsilons 1 8 --steps 20 --analyze --out out/smollm2-bench
 """
@@ -74,7 +77,7 @@ def perplexity(model, tok, conversations, max_length: int) -> float:
 @torch.no_grad()
 def answers(model, tok, conversations, n: int, max_new_tokens: int) -> list[tuple[str, str]]:
     out = []
-    for messages in conversations[:n]:
+    for messages in conversations[::max(1, len(conversations) // n)][:n]:  # spread over the held-out users
         ids = tok.apply_chat_template(messages[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
         gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         out.append((messages[0]["content"], tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)))
@@ -86,7 +89,8 @@ def train(args, work: Path, label: str, epsilon: float | None) -> tuple[str, dic
     config = yaml.safe_load(CONFIG.read_text())
     config.update(max_steps=args.steps, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
                   max_length=args.max_length, max_per_user=args.max_per_user, eval_users=args.eval_users,
-                  max_conversations=args.max_conversations, learning_rate=args.learning_rate, sample_question="")
+                  max_conversations=args.max_conversations, learning_rate=args.learning_rate, sample_question="",
+                  privacy_unit=args.privacy_unit)
     if epsilon is None:
         config.pop("target_epsilon")
         config.update(noise_multiplier=0.0, clipping="none")
@@ -122,7 +126,13 @@ def main() -> None:
     p.add_argument("--max_conversations", type=int, default=None)
     p.add_argument("--eval_users", type=int, default=6)
     p.add_argument("--questions", type=int, default=2)
+    p.add_argument("--privacy_unit", default="user_id",
+                   help="user_id (one user, all their conversations) or row (one conversation)")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="run only these settings (labels as in the JSON), adding them to --out's smollm2.json: one "
+                        "process per setting, so a shared machine's lock can be released between them")
     p.add_argument("--analyze", action="store_true")
+    p.add_argument("--analyze_rows", type=int, default=400, help="held-out paragraphs for --analyze")
     p.add_argument("--out", default="out/smollm2-bench")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -130,13 +140,17 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="smollm2-bench-"))
+    work = Path(tempfile.mkdtemp(prefix="smollm2-bench-", dir=out))
     chats = held_out(args)
     # the largest ε first, and the law right after its first run: a partial run (time out) already compares
     settings = [("base", None, resolve_model_path(NAME), {}), ("non-private", None, None, None)]
     for eps in sorted(args.epsilons, reverse=True):
         settings += [(f"dp-eps{eps:g}-run{r}", eps, None, None) for r in range(args.runs)]
     report, started = {"args": vars(args), "held_out_conversations": len(chats), "settings": {}}, time.time()
+    if args.only:
+        settings = [s for s in settings if s[0] in args.only]
+        if (out / "smollm2.json").exists():
+            report["settings"] = json.loads((out / "smollm2.json").read_text())["settings"]
     for label, eps, folder, run in settings:
         if folder is None:
             folder, run = train(args, work, label, eps)
@@ -145,19 +159,44 @@ def main() -> None:
                                      "answers": answers(model, tok, chats, args.questions, 32), "folder": folder}
         print(label, report["settings"][label], flush=True)
         if args.analyze and label == f"dp-eps{max(args.epsilons):g}-run0":
-            analyze(report, ("base", label, "non-private"), out / "law")
+            analyze(report, {"public (base)": "base", f"DP ε = {max(args.epsilons):g}": label,
+                             "non-private": "non-private"}, out / "law", args.analyze_rows)
         report["wall_s"] = time.time() - started
         (out / "smollm2.json").write_text(json.dumps(report, indent=2))
     print(table(report))
 
 
-def analyze(report: dict, labels: tuple[str, ...], out: Path) -> None:
-    """`hf-dp-repr analyze` of these settings' models on stdlib-paragraphs' test split (PR_l across the layers)."""
-    cmd = [sys.executable, "-m", "hf_dp_repr.cli", "analyze", "--dataset", "stdlib-paragraphs", "--max-examples",
-           "64", "--block-size", "64", "--out", str(out)]
-    for label in labels:
-        cmd += ["--model", report["settings"][label]["folder"], "--label", label]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def held_out_text(tok, rows: int, max_tokens: int = 64):
+    """`rows` token rows (at most `max_tokens` each), evenly spaced over stdlib-paragraphs (both splits: the SFT never
+    trains on this corpus) less every paragraph a conversation quotes, trained or held out."""
+    from datasets import Dataset
+
+    from hf_dp_repr.data import load_stdlib_paragraphs
+    from hf_dp_repr.trl.chat_data import stdlib_conversations
+
+    def words(text):
+        return " ".join(text.split())
+
+    quoted = {words(m["content"])[:60] for c in stdlib_conversations()["messages"] for m in c
+              if m["role"] == "assistant"}
+    corpus = load_stdlib_paragraphs()
+    texts = [t for split in ("train", "test") for t in corpus[split]["text"] if not any(q in words(t) for q in quoted)]
+    ids = [row[:max_tokens] for row in tok(texts, add_special_tokens=False)["input_ids"] if len(row) >= 8]
+    step = max(1, len(ids) // rows)
+    return Dataset.from_dict({"input_ids": ids[::step][:rows]})
+
+
+def analyze(report: dict, models: dict[str, str], out: Path, rows: int) -> None:
+    """The recipes' public / DP / non-private comparison (`repr_compare.compare`) on held-out text: PR_l by layer."""
+    from hf_dp_repr.scripts import repr_compare
+
+    folders = {name: report["settings"][label]["folder"] for name, label in models.items()}
+    from transformers import AutoTokenizer
+
+    data = held_out_text(AutoTokenizer.from_pretrained(folders["public (base)"]), rows)  # the same for all three
+    loaders = {name: (lambda folder=folder: load(folder)[0]) for name, folder in folders.items()}
+    report["law"] = repr_compare.compare(loaders, data, out, max_examples=None,
+                                         title="SmolLM2-135M-Instruct, held-out stdlib paragraphs")
 
 
 def table(report: dict) -> str:

@@ -12,6 +12,13 @@ Per run (the DP noise is fresh each run: OS entropy), all at the same (ε, δ):
      real train rows).
 
     python benchmarks/synth_utility.py --runs 3 --epsilon 4
+    python benchmarks/synth_utility.py --model smollm2-135m-instruct --runs 1 --epsilon 8 --delta 1e-5 \
+        --max_steps 40 --n_per_label 12 --first_run 0 --jsonl out/smollm2-synth.jsonl
+
+With a pretrained `--model` (e.g. smollm2-135m-instruct, the offline SmolLM2) there is no public pre-training:
+LoRA adapters (`--lora_r` on `--lora_target_modules`) are trained under DP for `--max_steps` steps of `--batch`
+rows. `--first_run` numbers the runs (the sampling seed) and `--jsonl` appends each run's figures, so runs may go in
+separate processes (a shared machine's lock released between them); the table covers the file's runs.
 """
 
 from __future__ import annotations
@@ -65,11 +72,18 @@ def one_run(args, run: int, out: str, real: dict) -> dict:
     from hf_dp_repr.scripts import synth, text_classification
 
     t0 = time.time()
+    if args.model in ("tiny_gpt2", "tiny_llama"):  # pre-trained here on public text, then fully fine-tuned under DP
+        schedule = ["--model_name_or_path", args.model, "--num_train_epochs", str(args.epochs), "--public_epochs",
+                    str(args.public_epochs), "--per_device_train_batch_size", "64", "--learning_rate", "3e-3",
+                    "--public_model_dir", f"{out}/public"]
+    else:  # a pretrained model: DP LoRA adapters
+        schedule = ["--model_name_or_path", args.model, "--lora_r", str(args.lora_r), "--lora_target_modules",
+                    args.lora_target_modules, "--max_steps", str(args.max_steps), "--per_device_train_batch_size",
+                    str(args.batch), "--learning_rate", str(args.learning_rate), "--max_length", "64",
+                    "--per_device_eval_batch_size", "32"]
     synth.main(["--output_dir", f"{out}/synth{run}", "--target_epsilon", str(args.epsilon), "--target_delta",
-                str(args.delta), "--num_train_epochs", str(args.epochs), "--public_epochs", str(args.public_epochs),
-                "--per_device_train_batch_size", "64", "--learning_rate", "3e-3", "--n_per_label",
-                str(args.n_per_label), "--generation_seed", str(run), "--report_to", "none", "--save_strategy", "no",
-                "--disable_tqdm", "true", "--public_model_dir", f"{out}/public"])
+                str(args.delta), *schedule, "--n_per_label", str(args.n_per_label), "--generation_seed", str(run),
+                "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"])
     rows = Dataset.from_parquet(f"{out}/synth{run}/synthetic/synthetic.parquet")
     x_syn = embed(rows["text"])
     dp_probe = text_classification.main([
@@ -79,7 +93,8 @@ def one_run(args, run: int, out: str, real: dict) -> dict:
         "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
         "--output_dir", f"{out}/probe{run}"])
     return {
-        "run": run, "seconds": round(time.time() - t0),
+        "run": run, "model": args.model, "epsilon": args.epsilon, "delta": args.delta,
+        "seconds": round(time.time() - t0), "examples": rows["text"][:: max(1, len(rows) // 4)][:4],
         "synthetic_acc": head_accuracy(x_syn, np.asarray(rows["labels"]), real["test_x"], real["test_y"]),
         "real_nondp_acc": real["ceiling"],
         "real_dp_acc": float(dp_probe.get("eval_accuracy")),
@@ -96,6 +111,14 @@ def main() -> None:
     p.add_argument("--epochs", type=float, default=15)
     p.add_argument("--public_epochs", type=float, default=10)
     p.add_argument("--n_per_label", type=int, default=50)
+    p.add_argument("--model", default="tiny_gpt2", help="tiny_gpt2, tiny_llama, or a pretrained causal LM")
+    p.add_argument("--lora_r", type=int, default=8)
+    p.add_argument("--lora_target_modules", default="q_proj,v_proj")
+    p.add_argument("--max_steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=16, help="expected rows per step (a pretrained model)")
+    p.add_argument("--learning_rate", type=float, default=2e-3, help="a pretrained model's LoRA learning rate")
+    p.add_argument("--first_run", type=int, default=0)
+    p.add_argument("--jsonl", default=None, help="append each run's figures here; the table covers the file's runs")
     args = p.parse_args()
     from hf_dp_repr.data import STDLIB_TOPICS, load_embedded
 
@@ -106,10 +129,16 @@ def main() -> None:
                 fd_train_test=frechet(train_x, test_x))
     results = []
     with tempfile.TemporaryDirectory(prefix="synth-utility-") as out:
-        for run in range(args.runs):
+        for run in range(args.first_run, args.first_run + args.runs):
             results.append(one_run(args, run, out, real))
             print(json.dumps(results[-1]), flush=True)
-    print(f"\n{args.runs} runs, ε = {args.epsilon:g}, δ = {args.delta:g}, {args.n_per_label} synthetic rows per label; "
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps(results[-1]) + "\n")
+    if args.jsonl:
+        results = [json.loads(line) for line in open(args.jsonl)]
+    print(f"\n{len(results)} runs, {args.model}, ε = {args.epsilon:g}, δ = {args.delta:g}, {args.n_per_label} "
+          "synthetic rows per label; "
           f"test split: {len(test_y)} real rows, 16 classes (majority {np.bincount(test_y).max() / len(test_y):.3f})")
     for key, label in (("synthetic_acc", "(a) MiniLM + head on DP synthetic rows"),
                        ("real_nondp_acc", "(b) MiniLM + head on real rows, no DP"),

@@ -7,6 +7,7 @@ fresh-noise runs, settings chosen on validation data, never on the test split. N
     python benchmarks/seed000_proxy_tuning.py --stage features  # once: DINOv2-S features (needs ../shared/data)
     python benchmarks/utility.py proxy --split validation        # the learning rate, on held-out rows
     python benchmarks/utility.py proxy --runs 3 --learning_rates 3  # the chosen one, on test
+    python benchmarks/utility.py proxy --epsilon 8 --clip_norms 0.01 --adaptive_clipping count_share=0.1  # issue 42
 
 Techniques (each a flag; skipped with a message while `DPTrainingArguments` has no such argument):
 `--ema_decay D` (weight averaging), `--augmentation_multiplicity K` (needs a random transform on the training set;
@@ -19,7 +20,8 @@ noise); the public model is the same (seed 0). `--split validation` scores on 20
 out (`--validation_fraction`), the public-only row included.
 
 Seed-000 proxy (`proxy`): a DP linear probe (full-batch DP-GD) on DINOv2-S [CLS] features of the 1000 private
-CIFAR-10 images of recipes/configs/cifar10_partial_100_per_class.txt at ε = 1, δ = 1e-4; public data: the 1000
+CIFAR-10 images of recipes/configs/cifar10_partial_100_per_class.txt at ε = 1 (`--epsilon`), δ = 1e-4, one row per
+clipping norm of `--clip_norms` (with `--adaptive_clipping`, its initial C); public data: the 1000
 held-out "tune" images (labels unused); validation: the 3085 "val" images; test: the 1017 test images (the rows
 and the features' cache: `benchmarks/seed000_proxy_tuning.py`).
 """
@@ -148,19 +150,47 @@ def run_proxy(args, techniques: dict) -> dict:
         warnings.simplefilter("ignore", UserWarning)
         for norm in args.norms:
             for lr in lrs:
-                name = f"ε=1 {norm}, lr {lr:g}"
-                acc[name] = []
+              for clip in args.clip_norms:
+                name = f"ε={args.epsilon:g} {norm}, lr {lr:g}, C {clip:g}" + (f", adaptive {args.adaptive_clipping}"
+                                                                            if args.adaptive_clipping else "")
+                acc[name], final_clip = [], []
                 for _ in range(args.runs):  # no noise_seed: each run draws a fresh secret
-                    targs = s0.dp_args(tmp, 1.0, 1e-4, per_device_train_batch_size=1000, max_steps=args.steps,
-                                       learning_rate=lr, per_sample_max_grad_norm=1.0, head_init="zeros",
-                                       **techniques)
+                    targs = s0.dp_args(tmp, args.epsilon, 1e-4, per_device_train_batch_size=1000,
+                                       max_steps=args.steps, learning_rate=lr, per_sample_max_grad_norm=clip,
+                                       head_init="zeros", adaptive_clipping=args.adaptive_clipping, **techniques)
                     trainer = DPTrainer(model=s0.FeatureProbe("cls", norm, stats), args=targs,
                                         train_dataset=s0.FeatureSet(*data["private"]), eval_dataset=evals,
                                         compute_metrics=s0.accuracy, **extra)
                     trainer.train()
                     acc[name].append(trainer.evaluate()["eval_accuracy"])
-                print(f"{name}: {spread(acc[name])}", flush=True)
+                    final_clip.append(final_clip_norm(trainer))
+                print(f"{name}: {spread(acc[name])}" + (f"; final C {', '.join(f'{c:.3g}' for c in final_clip)}"
+                                                       if args.adaptive_clipping else ""), flush=True)
     return acc
+
+
+def search_cost(epsilon: float, steps: int, runs: list[int]) -> None:
+    """ε (dp_accounting PLD, add/remove, δ = 1e-4) of k proxy runs on the same private 1000, each at σ calibrated for
+    `epsilon` (full batch: `steps` Gaussian mechanisms a run): what a search over k settings spends."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from hf_dp_repr import DPTrainingArguments
+    from hf_dp_repr.training.plan import plan_run
+
+    args = DPTrainingArguments(output_dir=tempfile.gettempdir(), target_epsilon=epsilon, target_delta=1e-4,
+                               accountant="prv", per_device_train_batch_size=1000, max_steps=steps, report_to="none")
+    sigma = plan_run(args, dataset_size=1000).phases[0].noise_multiplier
+    for k in runs:
+        accountant = pld_privacy_accountant.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), steps * k))
+        print(f"target ε {epsilon:g} (σ = {sigma:.4g}): {k} run(s) of {steps} full-batch steps compose to "
+              f"ε = {accountant.get_epsilon(1e-4):.3f} at δ = 1e-4")
+
+
+def final_clip_norm(trainer) -> float:
+    """C after the last step: adaptive clipping's last entry of the ledger's `clip_norms`, else the fixed C."""
+    return float(trainer.ledger.clip_norm)
 
 
 def main(argv=None) -> None:
@@ -177,6 +207,13 @@ def main(argv=None) -> None:
     parser.add_argument("--norms", nargs="+", default=["raw", "pca32"], help="proxy: feature maps (raw, pcaK, ...)")
     parser.add_argument("--learning_rates", nargs="+", type=float, default=[1.0, 3.0, 10.0], help="proxy")
     parser.add_argument("--steps", type=int, default=200, help="proxy: full-batch DP-GD steps")
+    parser.add_argument("--epsilon", type=float, default=1.0, help="proxy: the target ε (δ = 1e-4)")
+    parser.add_argument("--clip_norms", nargs="+", type=float, default=[1.0],
+                        help="proxy: clipping norms C, each a row (adaptive clipping: its initial C)")
+    parser.add_argument("--adaptive_clipping", help="proxy: DPTrainingArguments.adaptive_clipping, e.g. "
+                        "count_share=0.1 (docs/adaptive-clipping.md)")
+    parser.add_argument("--search_cost", nargs="+", type=int, help="proxy: only print the ε that this many runs at "
+                        "--epsilon compose to (a search over that many settings), e.g. 1 5 6")
     parser.add_argument("--ema_decay", type=float)
     parser.add_argument("--augmentation_multiplicity", type=int)
     parser.add_argument("--probe_preconditioning")
@@ -188,6 +225,9 @@ def main(argv=None) -> None:
     args.recipe_args = argv[cut + 1:]
     torch.set_num_threads(1)
     techniques = available({name: getattr(args, name) for name in TECHNIQUES})
+    if args.search_cost:
+        search_cost(args.epsilon, args.steps, args.search_cost)
+        return
     start = time.time()
     if args.what == "demo":
         acc = run_demo(args, techniques)

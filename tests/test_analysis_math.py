@@ -11,6 +11,7 @@ from hf_dp_repr.analysis import (
     fuzziness_law,
     knn_predict,
     knn_probe,
+    next_token_codes,
     prediction_residual,
     residual_law,
     separation_fuzziness,
@@ -180,6 +181,22 @@ def test_residual_errors_name_the_argument(features, targets, match):
 def test_one_hot_stats_reject_out_of_range_class():
     with pytest.raises(ValueError, match=r"class ids in \[0, 3\)"):
         ResidualStats(num_classes=3).update(np.ones((2, 2)), [0, 3])
+
+
+@pytest.mark.parametrize("signal", [0.0, 1.0, 3.0])
+def test_next_token_sketch_estimates_the_one_hot_residual_of_a_large_vocabulary(signal):
+    """3,000 token ids with Zipf frequencies (as text); the features see the next token's rank through a random
+    map, more or less loudly. The 256-column sketch's PR is the exact 3,000-column one-hot PR to within 0.02."""
+    rng = np.random.default_rng(11)
+    vocab, n, d = 3000, 6000, 24
+    weights = 1.0 / np.arange(1, vocab + 1)
+    ids = rng.choice(vocab, size=n, p=weights / weights.sum())
+    x = signal * rng.normal(size=(vocab, d))[ids] + rng.normal(size=(n, d))
+    exact = ResidualStats(num_classes=vocab).update(x, ids).residual()
+    sketch = ResidualStats(class_codes=next_token_codes(vocab)).update(x, ids).residual()
+    assert next_token_codes(vocab).shape == (vocab, 256)
+    assert sketch == pytest.approx(exact, abs=0.02)
+    assert exact < 0.99 if signal else exact > 0.99
 
 
 # --- law fit ----------------------------------------------------------------------------------------------

@@ -133,9 +133,32 @@ def test_language_positions_and_next_token_targets():
     assert report.task == "causal-lm" and report.fuzziness is None
     assert report.num_examples == len(rows)
     assert report.num_positions == sum(len(r) - 1 for r in rows) == len(targets)
-    expected = [prediction_residual(f, np.array(targets, dtype=float)) for f in per_layer]
+    # The next token as a class: one-hot over the 128-token vocabulary (up to 256 tokens the target is the one-hot
+    # itself); no longer the scalar id, whose arbitrary order a linear fit would measure.
+    one_hot = np.eye(model.config.vocab_size)[targets]
+    expected = [prediction_residual(f, one_hot) for f in per_layer]
     np.testing.assert_allclose(report.residual, expected, rtol=1e-5)
     assert report.residual_law.layers == (1, 2)
+
+
+def test_next_token_residual_does_not_depend_on_the_order_of_token_ids():
+    """Renumber the vocabulary (the embedding rows follow), so every hidden state is the same: the next-token PR_l is
+    unchanged. A fit to the scalar id changes with the numbering (checked here), the reason it is not the target."""
+    from datasets import Dataset
+
+    model = tiny_gpt2()
+    rows = ragged_token_rows()
+    perm = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    renumbered = tiny_gpt2()
+    with torch.no_grad():
+        renumbered.transformer.wte.weight[perm] = model.transformer.wte.weight  # token t is now perm[t]
+    before = analyze_representations(model, Dataset.from_dict({"input_ids": rows}), batch_size=3)
+    after = analyze_representations(renumbered, Dataset.from_dict({"input_ids": [perm[r].tolist() for r in rows]}),
+                                    batch_size=3)
+    np.testing.assert_allclose(after.residual, before.residual, rtol=1e-9)
+    feats, ids = extract_features(model, Dataset.from_dict({"input_ids": rows}), layer=-1)
+    scalar = [prediction_residual(feats, t.astype(float)) for t in (ids, perm[ids].numpy())]
+    assert abs(scalar[0] - scalar[1]) > 0.01
 
 
 def test_stdlib_corpus_and_byte_fallback():

@@ -161,3 +161,19 @@ def test_training_flags_are_refused_before_any_work(flags, match, tmp_path):
         main(["audit", "exposure", "--out", str(tmp_path / "x"), "--", *flags])
     assert not (tmp_path / "x").exists()
 
+
+
+def test_the_control_trains_the_scope_dp_trained(tokenizer, tmp_path):
+    """With trainable_blocks the non-private control trains the same layers: what DP froze stays equal in both."""
+    canaries = draw_canaries(DPRandomness(noise_seed=0), repeats=(1,), never_inserted=0, length=2)
+    args = DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=8.0, target_delta=1e-3, trainable_blocks=1,
+                               per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2, noise_seed=0,
+                               report_to="none", save_strategy="no", disable_tqdm=True)
+    model = _model(tokenizer)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    texts = load_stdlib_paragraphs()["train"]["text"][:8]
+    _, dp, plain = exposure_audit(model, tokenizer, texts, args, canaries, max_length=32)
+    moved = {n for n, p in plain.named_parameters() if not torch.equal(p, start[n])}
+    frozen = {n for n, p in dp.model.named_parameters() if not p.requires_grad}
+    assert any(n.startswith("transformer.h.0.") for n in frozen)  # block 0 is outside the scope
+    assert moved and not moved & frozen, moved & frozen  # the control left it alone too

@@ -6,7 +6,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.privacy.row_probe import PROBE_ROWS
+from hf_dp_repr.privacy.probe_batch import PROBE_ROWS
 from hf_dp_repr.tiny import tiny_gpt2, tiny_vit
 
 

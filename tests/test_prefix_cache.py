@@ -11,7 +11,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 from hf_dp_repr import DPTrainer, DPTrainingArguments
-from hf_dp_repr.privacy.row_probe import PROBE_FORWARDS
+from hf_dp_repr.privacy.probe_batch import PROBE_FORWARDS
 from hf_dp_repr.scope.feature_store import _FOLDERS, _STORE, clear_feature_cache
 from hf_dp_repr.tiny import tiny_bert_classifier, tiny_gpt2, tiny_vit
 from utils import make_token_classification_dataset, make_token_dataset

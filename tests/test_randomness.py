@@ -99,3 +99,24 @@ def test_each_shard_noise_stream_is_its_own(noise_seed):
         for b in streams[i + 1:]:
             assert not torch.equal(a, b)
     assert torch.equal(draw(3, 1), draw(3, 1))  # one stream per (step, shard) within a run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_step_noise_is_opacus_draw_per_tensor(dtype):
+    """The "ddp" reduction adds, to each tensor in turn, exactly what Opacus' `_generate_noise` draws from the step's
+    generator (one draw per tensor, same order; sizes below and across the CPU kernel's 16-number blocks), then
+    divides by L: seeded runs and the documented stream do not change with how the draws are buffered. Seen failing
+    with one draw for all tensors split afterwards (a different stream)."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from hf_dp_repr.privacy.reduction import NoisySum, reduction
+
+    shapes = [(5,), (17, 3), (40,), (2, 2), (33,)]
+    sums = [torch.randn(s, dtype=dtype) for s in shapes]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    step = NoisySum(params, [s.clone() for s in sums], noise_multiplier=1.3, max_grad_norm=0.7,
+                    expected_batch_size=3, noise_generator=lambda device: torch.Generator().manual_seed(11))
+    got = reduction("ddp")(step)
+    generator = torch.Generator().manual_seed(11)
+    want = [(s + _generate_noise(std=1.3 * 0.7, reference=s, generator=generator)) / 3 for s in sums]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -275,27 +275,30 @@ def test_result_table_states_metrics_and_privacy():
 @pytest.mark.slow
 def test_demo_shortened_shows_what_dp_fine_tuning_does_to_the_layers(tmp_path, capsys):
     """`make demo`'s script, shortened (3 epochs, three rows): the rows that train blocks under DP move the hidden
-    states (laws and CKA differ from the public model's), the DP linear probe leaves them exactly as they were; a line
-    per stage, the table, the figures and the closing lines. The full tables and the ≥ 3-point gain of ε = 1:
-    benchmarks/RESULTS.md ("The demo's rows")."""
+    states (laws and CKA differ from the public model's), the DP linear probe (ε = 1's headline scope) leaves them
+    exactly as they were; a line per stage, the table, the figures and the closing lines. The full tables and the
+    ≥ 3-point gain of ε = 1: benchmarks/RESULTS.md ("The demo's rows")."""
     from hf_dp_repr.scripts import demo
 
+    assert demo.HEADLINE[1] == "linear probe" and "--trainable_blocks" in demo.RUNS["dp_eps1"]
     # noise_seed: the same batches and noise every run (the demo itself draws a fresh secret)
-    summary = demo.main(["--output_dir", str(tmp_path), "--rows", "eps1_probe", "eps1_ft", "--",
+    summary = demo.main(["--output_dir", str(tmp_path), "--rows", "eps1_lpft", "eps1_ft", "--",
                          "--num_train_epochs", "3", "--noise_seed", "0"])
     runs = summary["runs"]
-    assert set(runs) == {"public_only", "dp_eps1", "eps1_probe", "eps1_ft"}
-    assert runs["dp_eps1"]["epsilon"] <= 1.0 and runs["eps1_ft"]["epsilon"] <= 1.0
+    assert set(runs) == {"public_only", "dp_eps1", "eps1_lpft", "eps1_ft"}
+    assert all(runs[name]["epsilon"] <= 1.0 for name in ("dp_eps1", "eps1_lpft", "eps1_ft"))
+    assert runs["dp_eps1"]["scope"] == "linear probe"
     public = runs["public_only"]
-    for name in ("dp_eps1", "eps1_ft"):  # blocks trained under DP: the representations moved
+    for name in ("eps1_lpft", "eps1_ft"):  # blocks trained under DP: the representations moved
         assert runs[name]["rho_fuzziness"] != public["rho_fuzziness"]
         assert runs[name]["fuzziness"][-1] != public["fuzziness"][-1]
         assert runs[name]["cka"][-1] < 0.9999 and runs[name]["cka"][0] == pytest.approx(1.0)  # the embeddings: frozen
-    probe = runs["eps1_probe"]  # the head alone: every hidden state is the public model's
+    probe = runs["dp_eps1"]  # the head alone: every hidden state is the public model's
     assert probe["fuzziness"] == pytest.approx(public["fuzziness"], rel=1e-6)
     assert probe["cka"] == pytest.approx([1.0] * len(public["fuzziness"]), abs=1e-6)
     printed = capsys.readouterr().out
-    assert "[1/4] dp_eps1 (DP LP→FT, ε = 1): public pre-training" in printed and "[4/4] report" in printed
+    assert "[1/4] dp_eps1 (DP linear probe, ε = 1 (the scope for ε = 1)): public pre-training" in printed
+    assert "[4/4] report" in printed and "ε = 1 (linear probe, the scope for ε = 1) is" in printed
     assert "| public_only | public model, no private data | 0 (no private data) |" in printed
     assert "Seeds 001/003" in printed and "Seed 002" in printed
     for figure in ("laws.png", "fuzziness_by_layer.png", "accuracy_vs_epsilon.png"):
@@ -358,6 +361,8 @@ def test_summary_json_has_no_infinity_and_says_which_run_is_not_private():
     assert "law_entry" not in runs["dp_eps8"] and summary["private_data_helps"] is False
     table = demo_report.table_of(rows, demo.ROW_TITLES)
     assert "| non_private | LP→FT, not private | ∞ |" in table  # the printed table still says ∞
+    rows["non_private"].update(epsilon=None, noise_multiplier=[0.0, 0.0])  # as its ledger has it after LP→FT
+    assert "| non_private | LP→FT, not private | ∞ |" in demo_report.table_of(rows, demo.ROW_TITLES)
     assert "ρ: the decay per layer" in table and "1.00 0.90 |" in table  # ρ and CKA explained where printed
 
 
@@ -367,17 +372,20 @@ def test_demo_closing_lines_say_when_a_seed_claim_does_not_hold():
     def row(acc, fuzz, cka, rho=0.5):
         return dict(accuracy=acc, fuzziness=[4.0, fuzz], cka=[1.0, cka], rho_fuzziness=rho)
 
-    rows = {"public_only": row(0.45, 2.0, 1.0, rho=0.9), "dp_eps1": row(0.50, 1.0, 0.95),
-            "non_private": row(0.60, 0.8, 0.9), "eps1_probe": row(0.49, 2.0, 1.0, rho=0.9),
+    rows = {"public_only": row(0.45, 2.0, 1.0, rho=0.9), "dp_eps1": {**row(0.49, 2.0, 1.0, rho=0.9),
+                                                                     "scope": "linear probe"},
+            "non_private": row(0.60, 0.8, 0.9), "eps1_lpft": row(0.50, 1.0, 0.95),
             "eps1_ft": row(0.47, 1.5, 0.80), "eps1_untuned_lr": row(0.52, 0.9, 0.9)}
     lines = demo_report.closing_lines(rows, gain=5.0, gap=10.0)
     text = "\n".join(lines)
-    assert "at least +3" in lines[0] and "for 4 of 5 trained rows" in lines[1]
+    assert "ε = 1 (linear probe, the scope for ε = 1) is +5.0" in lines[0] and "at least +3" in lines[0]
+    assert "for 4 of 5 trained rows (non_private, eps1_lpft, eps1_ft, eps1_untuned_lr)" in lines[1]
     assert "Seed 000" in text and text.split("Seed 000")[1].split("\n")[0].endswith("does not hold here (higher D: "
                                                                                  "classes less separated).")
     assert "0.800 without LP against 0.950 with LP→FT" in text
     assert "LP→FT, accuracy 47.0 % against 50.0 %: holds" in text
-    assert "best here: last 2 blocks (LP→FT)" in text
+    assert "linear probe 49.0 %, LP→FT 50.0 %, FT without LP 47.0 %; best in this run: LP→FT" in text
+    assert "NOT +3" in demo_report.closing_lines(rows, gain=2.9, gap=10.0)[0]
     rows["eps1_untuned_lr"] = row(0.40, 3.0, 0.7)
     assert "Seed 000" in (line := demo_report.closing_lines(rows, 5.0, 10.0)[2]) and line.endswith(
         "holds here (higher D: classes less separated).")

@@ -33,3 +33,17 @@ def test_one_runs_peak_memory_in_a_process_of_its_own():
     memory above the RSS before the model is built."""
     out = _throughput("--models", "tiny-gpt2", "--memory-of", "DPTrainer ghost", "--steps", "1", "--warmup", "1")
     assert int(out.split("PEAK_BYTES ")[1].split()[0]) > 0, out
+
+
+def test_realistic_sizes_prints_the_ratio_and_the_start_up_cost():
+    """benchmarks/realistic_sizes.py on its smoke-test config (LoRA on a tiny GPT-2), one round, each contender in
+    its own process: a row with both step times, their ratio and DP's start-up cost."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "realistic_sizes.py"), "--configs",
+                          "tiny-gpt2-lora", "--rounds", "1", "--steps", "1", "--warmup", "1", "--no-memory"], env=ENV,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    row = re.search(r"^\| tiny-gpt2-lora \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|.*\| ([\d.]+) \| ([\d.]+) \| "
+                    r"(-?[\d.]+) \|$", out, flags=re.M)
+    assert row, out
+    plain, dp, ratio, plain_start, dp_start, _ = map(float, row.groups())
+    assert plain > 0 and dp > 0 and ratio > 0
+    assert dp_start > 0 and plain_start > 0

@@ -218,3 +218,30 @@ def test_train_dpo_applies_the_rule_too(tmp_path, caplog):
     assert "--learning_rate 0.001" in plan and "--gradient_accumulation_steps 2" in plan
     ledger = json.loads((tmp_path / "dpo" / "privacy_ledger.json").read_text())
     assert ledger["phases"][0]["expected_batch_size"] == 16  # n = 40 users: max(16, 40 / 4), micro-batches of 8
+
+
+def test_the_image_rule_scales_the_learning_rate_by_how_far_a_black_and_a_white_image_lie_apart():
+    """The image recipe's data-free scale s (dp_defaults.head_input_norm on `data_free_images`): the distance between
+    the head inputs of a black and a white image as the model's preprocessing makes them, not the grey image's norm
+    (most of which every image shares); with pixel values given, the grey image alone, as before."""
+    import torch
+    from transformers import ViTImageProcessor
+
+    from hf_dp_repr.scripts.dp_defaults import choose, head_input_norm
+    from hf_dp_repr.scripts.image_classification import data_free_images
+    from hf_dp_repr.tiny import tiny_vit
+
+    processor = ViTImageProcessor(size={"height": 8, "width": 8}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    pair = data_free_images(processor, 3, None)["pixel_values"]
+    assert pair.shape == (2, 3, 8, 8) and torch.allclose(pair[0], torch.full((3, 8, 8), -1.0))
+    assert torch.allclose(pair[1], torch.ones(3, 8, 8))
+    model = tiny_vit(num_labels=3, num_channels=3).eval()
+    with torch.no_grad():  # what the head reads: the final layer-normed [CLS] token
+        cls = model.vit(pixel_values=pair).last_hidden_state[:, 0]
+        grey_cls = model.vit(pixel_values=torch.zeros(1, 3, 8, 8)).last_hidden_state[0, 0]
+    s = head_input_norm(model, {"pixel_values": pair})
+    assert abs(s - float((cls[1] - cls[0]).norm())) < 1e-4
+    grey = head_input_norm(model, data_free_images(None, 3, torch.zeros(3, 8, 8)))
+    assert abs(grey - float(grey_cls.norm())) < 1e-4 and abs(s - grey) > 1e-3
+    lr = choose(n=1000, epsilon=8.0, given=set(), feature_norm=s).values["learning_rate"]
+    assert abs(lr - float(f"{0.9 * 8 / s:.3g}")) < 1e-9

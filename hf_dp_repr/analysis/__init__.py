@@ -25,7 +25,7 @@ from .knn import knn_predict, knn_probe
 from .law import LawFit, fit_law, fuzziness_law, residual_law
 from .law_report import RepresentationReport
 from .plots import plot_laws, plot_umap
-from .residual import ResidualStats, prediction_residual
+from .residual import ResidualStats, next_token_codes, prediction_residual
 from .separation import SeparationStats, separation_fuzziness
 from .similarity import layer_cka, linear_cka
 
@@ -43,6 +43,7 @@ __all__ = [
     "knn_probe",
     "layer_cka",
     "linear_cka",
+    "next_token_codes",
     "plot_laws",
     "plot_umap",
     "prediction_residual",

@@ -7,7 +7,9 @@ What is read from each hidden state `hidden_states[l]` (l = 0 is the embedding o
     read as the mean patch embedding (the report's `notes` say so). 4-D maps (B, C, H, W) of conv nets are
     average-pooled. Targets: the class label (D and scalar PR, or one-hot PR with `one_hot_classes`).
   - language ("causal-lm", decoder-only models): every non-padding position that has a non-padding next token; the
-    target is that next token's id (He & Su 2024). D is not computed: its "classes" would be the whole vocabulary.
+    target is that next token as a class (He & Su 2024's next-token prediction): its one-hot over the vocabulary,
+    or beyond 256 tokens a fixed random sketch of it (`next_token_codes`), never its id, whose order is arbitrary.
+    D is not computed: its "classes" would be the whole vocabulary.
   - text classification ("text-classification", encoders such as BERT/MiniLM): one vector per example, the [CLS]
     token (position 0) or with `pooling="mean"` the mean of its non-padding tokens; targets: the class label, as
     for vision. Under [CLS] pooling layer 0 is read as the mean of the tokens after [CLS] (the [CLS] embedding is
@@ -40,7 +42,7 @@ from ..errors import ArgumentError, DataError, MissingColumnError
 from .batches import LABELLED, TASKS, TEXT, VISION, batch_size_of, detect_task, iter_batches, language_inputs, to_tensor
 from .law import fuzziness_law, residual_law
 from .law_report import RepresentationReport
-from .residual import ResidualStats
+from .residual import ResidualStats, next_token_codes
 from .separation import SeparationStats
 
 __all__ = ["analyze_representations", "extract_features", "POOLINGS"]
@@ -93,7 +95,8 @@ def analyze_representations(
         if len(labels) == 0:  # e.g. a batch of one-token sequences: nothing to predict
             continue
         if not res:
-            res = [ResidualStats(num_classes=one_hot_classes if task in LABELLED else None) for _ in layers]
+            codes = None if task in LABELLED else next_token_codes(_vocab_size(model, labels))  # one table, shared
+            res = [ResidualStats(num_classes=one_hot_classes, class_codes=codes) for _ in layers]
             sep = [SeparationStats() for _ in layers] if task in LABELLED else []
         for stats, feats in zip(res, layers):
             stats.update(feats, labels)
@@ -237,6 +240,16 @@ def _pool_text(h: torch.Tensor, mask: torch.Tensor, layer: int, pooling: str) ->
     if bool((count == 0).any()):
         raise DataError(f"hidden state {layer}: an example has no token to average (only [CLS]); drop empty texts")
     return (h * weights[..., None]).sum(dim=1) / count
+
+
+def _vocab_size(model: torch.nn.Module, first_targets: torch.Tensor) -> int:
+    """The number of token ids the next-token target ranges over: the output embedding's rows (else the config's
+    vocab_size, else the largest id seen in the first batch + 1; a later larger id is then a DataError)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if size else int(first_targets.max()) + 1
 
 
 def _language(model, batch, device, only_layer):

@@ -4,9 +4,11 @@ Fit y ≈ w·x + b by least squares (with intercept) and report
 
     PR = Σ (y − ŷ)² / Σ (y − ȳ)²        (= 1 − R²; 0 is a perfect fit, 1 explains nothing)
 
-Targets are scalars as in the seed papers: the id of the next token for language models, the class label
-for vision ([CLS] → label, seed 000). Pass 2-D targets (n × q) for a multi-output fit, or `one_hot=True` to
-regress on one-hot class indicators; PR is then Σ_j RSS_j / Σ_j TSS_j over the q outputs.
+Targets: the class label for vision, a scalar as in seed 000 ([CLS] → label). For language, the next token as a
+class: its one-hot indicator over the vocabulary (`next_token_codes`), not its id (a scalar fit to ids of an
+arbitrary ordering of tens of thousands of tokens measures the ordering: PR_l ≈ 0.5 at every layer of SmolLM2).
+Pass 2-D targets (n × q) for a multi-output fit, or `one_hot=True` to regress on one-hot class indicators; PR is
+then Σ_j RSS_j / Σ_j TSS_j over the q outputs.
 
 Numerics: float64 throughout. Only the centred cross-products of [x, y] are kept (merged batch by batch with
 Chan et al.'s update), so memory is O((d + q)²). The normal equations are solved on the correlation scale
@@ -34,7 +36,32 @@ import torch
 from ..errors import DataError
 from ._checks import as_float64_matrix, as_float64_targets, as_int_labels, input_eps
 
-__all__ = ["ResidualStats", "prediction_residual"]
+__all__ = ["ResidualStats", "next_token_codes", "prediction_residual"]
+
+NEXT_TOKEN_WIDTH = 256  # columns of the next-token target: the one-hot itself up to this vocabulary size, else a sketch
+SKETCH_SEED = 0  # one fixed sketch: every model compared is measured against the same target
+
+
+def next_token_codes(vocab_size: int, width: int = NEXT_TOKEN_WIDTH) -> torch.Tensor:
+    """The target rows of the next-token residual, one per token id: (vocab_size × q), float64.
+
+    Up to `width` tokens, the identity (one-hot targets: PR = Σ_j RSS_j / Σ_j TSS_j over the vocabulary). Above,
+    a fixed random ±1/√width projection of the one-hot (q = width): its RSS and TSS are each the one-hot's in
+    expectation over the draw, and with many distinct next tokens their ratio stays within about a percent of the
+    one-hot PR, which for a 49k vocabulary would need a (d + 49k)² scatter. The seed is fixed, so the draw is
+    public and the same for every model compared.
+
+    Example:
+        >>> next_token_codes(4).tolist() == torch.eye(4, dtype=torch.float64).tolist()
+        True
+        >>> codes = next_token_codes(50_000); codes.shape, bool((codes.abs() == 1 / 16).all())
+        (torch.Size([50000, 256]), True)
+    """
+    if vocab_size <= width:
+        return torch.eye(vocab_size, dtype=torch.float64)
+    draw = torch.Generator().manual_seed(SKETCH_SEED)
+    signs = torch.randint(0, 2, (vocab_size, width), generator=draw, dtype=torch.int8)
+    return (2.0 * signs.to(torch.float64) - 1.0) / width**0.5
 
 
 class ResidualStats:
@@ -50,9 +77,13 @@ class ResidualStats:
         True
     """
 
-    def __init__(self, num_classes: int | None = None) -> None:
-        """`num_classes`: regress on one-hot indicators of that many classes (targets are then class ids)."""
+    def __init__(self, num_classes: int | None = None, class_codes: torch.Tensor | None = None) -> None:
+        """`num_classes`: regress on one-hot indicators of that many classes (targets are then class ids).
+        `class_codes` (classes × q): regress on row `class_codes[id]` of each target id (`next_token_codes`)."""
+        if class_codes is not None:
+            num_classes = class_codes.shape[0]
         self.num_classes = num_classes
+        self.class_codes = class_codes
         self.num_examples = 0
         self.mean: torch.Tensor | None = None  # (d + q,)
         self.scatter: torch.Tensor | None = None  # (d + q, d + q), Σ (z − z̄)(z − z̄)ᵀ
@@ -67,7 +98,10 @@ class ResidualStats:
             labels = as_int_labels(targets, x.shape[0], "targets", device=x.device)
             if bool(((labels < 0) | (labels >= self.num_classes)).any()):
                 raise DataError(f"`targets` must be class ids in [0, {self.num_classes}) for one-hot regression")
-            y = torch.nn.functional.one_hot(labels, self.num_classes).to(torch.float64)
+            if self.class_codes is None:
+                y = torch.nn.functional.one_hot(labels, self.num_classes).to(torch.float64)
+            else:
+                y = self.class_codes.to(x.device)[labels]
         else:
             y = as_float64_targets(targets, x.shape[0], "targets", device=x.device)
         z = torch.cat([x, y], dim=1)
@@ -123,7 +157,7 @@ class ResidualStats:
 def prediction_residual(features: Any, targets: Any, *, one_hot: bool = False) -> float:
     """PR = Σ(y − ŷ)² / Σ(y − ȳ)² of the least-squares fit with intercept from `features` (n × d) to `targets`.
 
-    `targets`: (n,) scalars (next-token id, class label) or (n × q) for a multi-output fit. With
+    `targets`: (n,) scalars (a class label) or (n × q) for a multi-output fit. With
     `one_hot=True`, `targets` are integer class ids regressed as one-hot indicators (q = number of distinct
     classes), PR = Σ_j RSS_j / Σ_j TSS_j. Float64; unchanged by any invertible affine map of the features.
     Raises ValueError on mismatched lengths, non-finite values, or constant targets.

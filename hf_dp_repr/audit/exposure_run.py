@@ -81,6 +81,10 @@ def exposure_audit(model, tokenizer, texts: list[str], dp_args, canaries: list[C
     start = copy.deepcopy(model)
     dp = DPTrainer(model=model, args=dp_args, train_dataset=data, processing_class=tokenizer)
     dp.train()
+    # the control trains what DP trained (trainable_blocks/groups): same scope, same schedule, no noise or clipping
+    trained = {name: p.requires_grad for name, p in model.named_parameters()}
+    for name, p in start.named_parameters():
+        p.requires_grad_(trained[name])
     with tempfile.TemporaryDirectory(prefix="hf-dp-repr-exposure-") as tmp:
         plain_args = TrainingArguments(
             output_dir=tmp, max_steps=dp.state.global_step, learning_rate=dp_args.learning_rate,

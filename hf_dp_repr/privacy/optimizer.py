@@ -186,8 +186,9 @@ class MicroBatchDPOptimizer(DPOptimizer):
         return float(count.item())
 
     def _add_clipped(self, p: torch.nn.Parameter, clipped: torch.Tensor) -> None:
-        held = self._clipped_sums.get(p)
-        self._clipped_sums[p] = clipped if held is None else held + clipped
+        held = self._clipped_sums.get(p)  # the step's own sum (a fresh tensor): added to in place
+        same = held is not None and torch.promote_types(held.dtype, clipped.dtype) == held.dtype
+        self._clipped_sums[p] = clipped if held is None else held.add_(clipped) if same else held + clipped
 
     def _accumulate_units(self, unit_ids: torch.Tensor) -> None:
         """Sum the rows of each unit; clip and add every unit that ends in this micro-batch; keep the unit of

@@ -20,8 +20,10 @@ mask drawn per element keeps rows apart anyway), and the buffers a training forw
 random draws of a training forward (stochastic depth: `drop_path_rate > 0`) look like mixing to this check: switch
 them off. When an example's loss moves, the module whose output rows first stop following the examples is named.
 
-Cost: two forwards of the model on at most 4 rows and a few collations. The probe's batches and seeded collations
-serve these checks only (the global generators are restored after each collation).
+Cost: two forwards of the model on 2 and 3 rows, a text batch cut to a few tokens (`probe_batch`: the fewest rows
+and tokens that still prove these checks), and a few collations; two more forwards only to name the module that mixes
+when it refuses. The probe's batches and seeded collations serve these checks only (the global generators are
+restored after each collation).
 
     >>> import torch
     >>> from transformers import default_data_collator
@@ -51,10 +53,8 @@ from torch.utils._pytree import tree_flatten
 from ..errors import DPConfigError, NotPrivatizableError
 from .batch_rows import RowsProbe, close_enough, first_tensor, hooked_modules, rows_per_example
 from .grad_samplers import batch_position_ids
+from .probe_batch import PROBE_EXAMPLES, probe_order, shortened
 from .sampler import UNIT_KEY
-
-PROBE_EXAMPLES = 3  # the model runs twice per train(): on these rows, then on 4 (reordered, plus a copy)
-PROBE_FORWARDS, PROBE_ROWS = 2, 2 * PROBE_EXAMPLES + 1  # with a dataset of at least PROBE_EXAMPLES rows
 
 
 def _collate_seeded(collate, examples: list, seed: int) -> dict:
@@ -270,10 +270,9 @@ def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
     run's widest phase, if any) trained. Returns the paths of the hooked modules that see several rows per example
     (for the engines); raises DPConfigError / NotPrivatizableError."""
     examples = [dataset[i] for i in range(min(PROBE_EXAMPLES, len(dataset)))]
-    batch = check_collator_keeps_examples_apart(collate, examples)
+    whole = check_collator_keeps_examples_apart(collate, examples)
     k = len(examples)
-    order = [0] + list(range(k - 1, 0, -1)) + [0]  # the rows reordered, then a copy of the first
-    again = {key: v[order] if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
+    order = probe_order(k)
     model = trainer.model
     modes, trained = {m: m.training for m in model.modules()}, {p: p.requires_grad for p in model.parameters()}
     buffers = {b: b.detach().clone() for b in model.buffers()}  # a training forward may update some (counters ...)
@@ -282,20 +281,26 @@ def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
     set_modes = getattr(trainer, "set_training_modes", None)
     set_modes(scope) if set_modes is not None else model.train()
     try:
-        first, second, uses = RowsProbe(model, k, copy=False), RowsProbe(model, k + 1, copy=True), ParameterUses(model)
-        prints, prints_again = RowPrints(model, k), RowPrints(model, k + 1)
-        with first, prints, uses, DropoutOff():
-            losses = _losses(trainer, batch)
-        with second, prints_again, torch.no_grad(), DropoutOff():
-            losses_again = _losses(trainer, again)
+        batch, seen = shortened(whole), None
+        if batch is not whole:  # the cut batch; the whole one if the model refuses it
+            try:
+                seen = _two_passes(trainer, batch, order)
+            except Exception:  # noqa: BLE001 - a forward that needs the whole length: probed on it below
+                seen = None
+            if seen is not None and seen[3] is not None and not torch.isfinite(seen[3]).all():
+                seen = None
+            if seen is None:
+                batch = whole
+                _put_back(buffers)
+        first, second, uses, losses, losses_again = seen or _two_passes(trainer, batch, order)
+        mixes = losses is not None and not _close(losses_again, losses[order], model)
+        culprit = _first_mixing_module(trainer, batch, order) if mixes and not uses.outside else None
     finally:
         for m, flag in modes.items():
             m.training = flag
         for p, flag in trained.items():
             p.requires_grad_(flag)
-        with torch.no_grad():
-            for b, value in buffers.items():
-                b.copy_(value)
+        _put_back(buffers)
     if uses.outside:
         listed = ", ".join(f"{name} (by {op})" for name, op in uses.outside.items())
         raise NotPrivatizableError(
@@ -304,8 +309,7 @@ def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
             "clipped gradient. Fix: use them through a module (e.g. an nn.Linear head whose weight is the embedding: "
             "`head.weight = embedding.weight; head(h)`), or freeze them (`requires_grad_(False)`).")
     several = rows_per_example(first, second)
-    if losses is not None and not _close(losses_again, losses[order], model):
-        culprit = first_mixing_module(prints, prints_again, order, _tolerance(model))
+    if mixes:
         where = (f"the first module whose output rows stop following the examples is {culprit}" if culprit else
                  "no module's output rows were seen to mix: `per_example_loss` may")
         raise NotPrivatizableError(
@@ -316,6 +320,39 @@ def probe_training_rows(trainer, dataset, collate, scope=None) -> set[str]:
             "example would move other examples' clipped gradients. Fix: compute each example's loss from its own "
             "row only (e.g. per-example or running statistics), or switch the random draws off.")
     return several
+
+
+def _again(batch: dict, order: list[int]) -> dict:
+    return {key: v[order] if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
+
+
+def _two_passes(trainer, batch: dict, order: list[int]) -> tuple:
+    """The probe's two forwards: on `batch` (with gradients, for `ParameterUses`), then on its rows in `order` (the
+    last a copy of the first). Returns (RowsProbe, RowsProbe, ParameterUses, losses, losses on the rows in order)."""
+    model, k = trainer.model, len(order) - 1
+    first, second, uses = RowsProbe(model, k, copy=False), RowsProbe(model, k + 1, copy=True), ParameterUses(model)
+    with first, uses, DropoutOff():
+        losses = _losses(trainer, batch)
+    with second, torch.no_grad(), DropoutOff():
+        losses_again = _losses(trainer, _again(batch, order))
+    return first, second, uses, losses, losses_again
+
+
+def _first_mixing_module(trainer, batch: dict, order: list[int]) -> str | None:
+    """The two passes again, without gradients, recording every module's output rows: the module that mixes."""
+    model, k = trainer.model, len(order) - 1
+    prints, prints_again = RowPrints(model, k), RowPrints(model, k + 1)
+    with prints, torch.no_grad(), DropoutOff():
+        _losses(trainer, batch)
+    with prints_again, torch.no_grad(), DropoutOff():
+        _losses(trainer, _again(batch, order))
+    return first_mixing_module(prints, prints_again, order, _tolerance(model))
+
+
+def _put_back(buffers: dict) -> None:
+    with torch.no_grad():
+        for b, value in buffers.items():
+            b.copy_(value)
 
 
 def _tolerance(model: nn.Module) -> float:

@@ -4,10 +4,11 @@ The seeds' setting (a model pre-trained on public data of another task, then DP 
 1. public pre-training: a 4-block ViT (random init) trained non-privately on the public 30 % of sklearn's digits
    training split, of digits 0-4 only (another task: the public model never sees a 5-9), saved with
    `save_pretrained` (into <out>/public_pretrained) and reloaded with `from_pretrained`;
-2. DP training on the disjoint private 70 %, all ten digits, by linear probing then fine-tuning the last two blocks
-   (DP LP→FT, recipes/configs/demo_digits.yaml) at ε = 1 and ε = 8, and a non-private reference
-   (`noise_multiplier=0`); then, at ε = 1, what the seeds compare: a DP linear probe alone, DP fine-tuning of the
-   last two blocks without the probe first, and LP→FT at an untuned learning rate;
+2. DP training on the disjoint private 70 %, all ten digits: at ε = 1 and ε = 8 each with the scope chosen for that ε
+   (`HEADLINE`: a DP linear probe at ε = 1, linear probing then fine-tuning the last two blocks, DP LP→FT, at ε = 8;
+   recipes/configs/demo_digits.yaml), and an LP→FT non-private reference (`noise_multiplier=0`); then, at ε = 1,
+   what the seeds compare: DP LP→FT, DP fine-tuning of the last two blocks without the probe first, and LP→FT at
+   an untuned learning rate;
 3. every model's representations on the test split: the laws (D_l, PR_l and their ρ) and how far each layer's
    features moved from the public model's (linear CKA);
 4. a report folder <out>/report (`demo_report`): summary.json, table.md, fuzziness_by_layer.png (D_l and CKA by
@@ -29,22 +30,30 @@ from hf_dp_repr.entry_point import CommandParser
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/ (configs)
 
 LP_FT = ["--lp_steps", "0.5", "--lp_learning_rate", "0.02"]  # half the steps train the head alone, at the probe's rate
-# name → the only arguments that differ from the config (the last 2 blocks + head at the fine-tuning rate); the rates
-# were chosen on held-out private rows (benchmarks/RESULTS.md, "The demo's rows")
+SCOPES = {  # scope → (its arguments beyond the config's last 2 blocks + head at lr 0.03, its title)
+    "linear probe": (["--trainable_blocks", "0", "--learning_rate", "0.02"], "DP linear probe"),
+    "LP→FT": (LP_FT, "DP LP→FT"),
+}
+# The scope of each ε's headline row, fixed here once, never chosen by a run from its own data: the one with the
+# higher mean accuracy on 20 % of the private training rows held out (5 fresh-noise runs each; benchmarks/RESULTS.md,
+# "The demo's rows"). That comparison used those rows outside DP-SGD, once, before these rows were measured: the ε
+# the rows state does not cover it. It is also what the seeds predict: fewer trained parameters at the smaller ε.
+HEADLINE = {1: "linear probe", 8: "LP→FT"}
+# name → the only arguments that differ from the config
 RUNS = {
-    "dp_eps1": ["--target_epsilon", "1", *LP_FT],
-    "dp_eps8": ["--target_epsilon", "8", *LP_FT],
+    "dp_eps1": ["--target_epsilon", "1", *SCOPES[HEADLINE[1]][0]],
+    "dp_eps8": ["--target_epsilon", "8", *SCOPES[HEADLINE[8]][0]],
     "non_private": ["--noise_multiplier", "0", *LP_FT],
-    "eps1_probe": ["--target_epsilon", "1", "--trainable_blocks", "0", "--learning_rate", "0.02"],
+    "eps1_lpft": ["--target_epsilon", "1", *LP_FT],
     "eps1_ft": ["--target_epsilon", "1"],
     "eps1_untuned_lr": ["--target_epsilon", "1", *LP_FT, "--learning_rate", "0.1"],
 }
 ROW_TITLES = {
     "public_only": "public model, no private data",
-    "dp_eps1": "DP LP→FT, ε = 1",
-    "dp_eps8": "DP LP→FT, ε = 8",
+    "dp_eps1": f"{SCOPES[HEADLINE[1]][1]}, ε = 1 (the scope for ε = 1)",
+    "dp_eps8": f"{SCOPES[HEADLINE[8]][1]}, ε = 8 (the scope for ε = 8)",
     "non_private": "LP→FT, not private",
-    "eps1_probe": "DP linear probe, ε = 1",
+    "eps1_lpft": "DP LP→FT, ε = 1",
     "eps1_ft": "DP FT (last 2 blocks, no LP), ε = 1",
     "eps1_untuned_lr": "DP LP→FT, ε = 1, untuned lr 0.1",
 }
@@ -84,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
         metrics = recipe.main(["--config", opts.config, "--output_dir", str(out / name),
                                "--public_model_dir", str(out / "public_pretrained"), *differs, *opts.extra])
         rows[name] = _row(out / name, metrics, time.time() - t0)
+    for eps, scope in HEADLINE.items():  # the closing lines name the headline scope
+        if f"dp_eps{eps}" in rows:
+            rows[f"dp_eps{eps}"]["scope"] = scope
     print(f"\n=== [{stages}/{stages}] report: the public model's accuracy and laws, how far every layer moved, "
           f"the table ({time.time() - start:.0f} s so far) ===", flush=True)
     rows = {"public_only": _public_row(out, rows), **rows}

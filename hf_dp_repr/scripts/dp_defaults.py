@@ -18,11 +18,12 @@ The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measur
   `--trainable_blocks k`) accumulates micro-batches of `MICRO_BATCH`.
 - Steps: `PROBE_EPOCHS` epochs for a probe (160 steps at q = 1/4); `FINE_TUNE_EPOCHS` when blocks train.
 - Optimizer: plain SGD for a probe, with a learning rate that grows with ε (the best learning rate × steps grows about
-  linearly with ε: Panda et al. 2024) and is divided by the norm s of the head's input on a data-free input (a grey
-  image, an empty text: a property of the public weights; a step moves the logits by about lr·C·s, and s is ~70 for
-  DINOv2-S, ~1.2 for MiniLM), capped; a zero-initialised head (known to help under DP); automatic clipping (each
-  example's gradient scaled to norm about C, Bu et al. 2023; it helped at ε ≤ 1 in the measurements). AdamW at
-  `FINE_TUNE_LR` when blocks train (Li et al. 2022's large-batch DP fine-tuning).
+  linearly with ε: Panda et al. 2024) and is divided by a scale s of the head's input on data-free inputs (the
+  distance between a black and a white image's, the norm of an empty text's: a property of the public weights; a
+  step moves the logits by about lr·C·s, and s is 22.6 for DINOv2-S, ~1.2 for MiniLM), capped; a zero-initialised
+  head (known to help under DP); automatic clipping (each example's gradient scaled to norm about C, Bu et al.
+  2023; it helped at ε ≤ 1 in the measurements). AdamW at `FINE_TUNE_LR` when blocks train (Li et al. 2022's
+  large-batch DP fine-tuning).
 - Language models (`train lm|sft|dpo`: `choose_language`, from n units, the model's size and whether it is
   pretrained): LoRA adapters for a pretrained model of at least `LORA_MIN_PARAMETERS` when peft is installed, else
   every parameter; the same expected batch in micro-batches of `LANGUAGE_MICRO_BATCH`; `FINE_TUNE_EPOCHS` epochs;
@@ -52,8 +53,8 @@ PROBE_SAMPLE_RATE = 0.25  # expected batch = q·n ...
 MIN_BATCH, MAX_BATCH = 16, 1024  # ... within these bounds (and at most n)
 MICRO_BATCH = 32  # examples per forward/backward when blocks train (the rest is gradient accumulation)
 PROBE_EPOCHS, FINE_TUNE_EPOCHS = 40, 10
-# SGD learning rate of a probe: 0.9·ε / s, at most 8 / s, where s is the norm of the head's input on a data-free
-# input (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
+# SGD learning rate of a probe: 0.9·ε / s, at most 8 / s, where s is the scale of the head's input on data-free
+# inputs (`head_input_norm`): a step moves the logits by about lr·C·s, so lr·s is what carries over between backbones
 PROBE_LR_PER_EPSILON, PROBE_MAX_LR = 0.9, 8.0
 FINE_TUNE_LR = 5e-4  # AdamW, when blocks train (and every parameter of a language model)
 LANGUAGE_MICRO_BATCH = 8  # sequences per forward/backward of a language model
@@ -119,9 +120,9 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
             scale = feature_norm or 1.0
             lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0)) / scale
             out.set("learning_rate", float(f"{lr:.3g}"),
-                    f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the norm of the "
-                    "head's input on a data-free input: the best learning rate grows about linearly with ε, and a "
-                    "step moves the logits by about lr·C·s")
+                    f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the scale of the "
+                    "head's input on data-free inputs (images: a black vs a white one): the best learning rate grows "
+                    "about linearly with ε, and a step moves the logits by about lr·C·s")
         else:
             lr = FINE_TUNE_LR if not probe else ADAM_PROBE_LR
             out.set("learning_rate", lr, "Adam's step under DP noise, with a large batch" if not probe else
@@ -240,13 +241,18 @@ def fill_in(training_args, n: int, given: set[str], switch: str = "on", model=No
 
 def head_input_norm(model, blank_inputs: dict) -> float:
     """The L2 norm of what the model's task head reads, on `blank_inputs`: a data-free batch of one (an all-zero
-    `pixel_values`, i.e. the normalisation mean's grey image; the tokenization of an empty text). A public quantity:
-    it depends on the pretrained weights only. The model is run in eval mode, without gradients, and left as found.
+    `pixel_values`, i.e. the normalisation mean's grey image; the tokenization of an empty text); with a batch of two
+    (the image recipe's black and white images), the distance between what the head reads on the two: the scale
+    along which inputs differ, without the part every input shares (most of DINOv2-S's head input: 72 for the grey
+    image, 22.6 between black and white). A public quantity: it depends on the pretrained weights only. The model is
+    run in eval mode, without gradients, and left as found.
 
         >>> from hf_dp_repr.tiny import tiny_vit
         >>> import torch
         >>> head_input_norm(tiny_vit(num_labels=2), {"pixel_values": torch.zeros(1, 1, 8, 8)}) > 0
         True
+        >>> head_input_norm(tiny_vit(num_labels=2), {"pixel_values": torch.zeros(2, 1, 8, 8)})  # two equal inputs
+        0.0
     """
     import torch
 
@@ -263,6 +269,9 @@ def head_input_norm(model, blank_inputs: dict) -> float:
     finally:
         hook.remove()
         model.train(training)
+    if len(seen[0]) >= 2:  # two data-free inputs: how far apart the head's inputs of two different inputs lie
+        rows = seen[0].float().reshape(len(seen[0]), -1)
+        return float((rows[1] - rows[0]).norm())
     return float(seen[0].float().reshape(-1, seen[0].shape[-1]).norm(dim=-1).mean())
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
-    blank = {"pixel_values": torch.zeros_like(torch.as_tensor(train[0]["pixel_values"]))[None]}  # a grey image
+    blank = data_free_images(processor, model.config.num_channels, train[0]["pixel_values"])
     defaults = dp_defaults.fill_in(targs, len(train), margs.given_options, margs.dp_defaults, model, blank)
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
@@ -266,6 +266,24 @@ def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col,
     out = {k: to_pixel_values(ds, image_col, processor, model.config.num_channels, desc=f"preprocessing {k} images")
            for k, ds in data.items()}
     return out, processor
+
+
+def data_free_images(processor, num_channels: int, like) -> dict:
+    """The inputs on which `dp_defaults.head_input_norm` measures the scale of the head's input, data-free: a black
+    and a white image through the model's preprocessing (the head's inputs of images differ along this scale; the
+    part every image shares, most of DINOv2's, does not move the head's step), or the normalisation mean's grey image
+    alone when the data come as pixel values (`like`: a training row's, for the shape).
+
+        >>> data_free_images(None, 1, torch.zeros(1, 8, 8))["pixel_values"].shape
+        torch.Size([1, 1, 8, 8])
+    """
+    from PIL import Image
+
+    if processor is None:
+        return {"pixel_values": torch.zeros_like(torch.as_tensor(like))[None]}
+    mode, white = ("RGB", (255, 255, 255)) if num_channels == 3 else ("L", 255)
+    images = [Image.new(mode, (32, 32), 0), Image.new(mode, (32, 32), white)]
+    return {"pixel_values": torch.as_tensor(processor(images, return_tensors="np")["pixel_values"]).float()}
 
 
 def _collate(examples):

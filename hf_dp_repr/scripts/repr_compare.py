@@ -100,8 +100,9 @@ def table_of(reports: dict) -> str:
         if fuzzy:
             cells.append("n/a" if r.fuzziness_law is None else f"{r.fuzziness_law.rho:.4f}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "PR_l: 1 - R² of a least-squares fit from layer l's hidden state to the next token's id (a scalar, "
-              "as in He & Su), on the held-out rows; lower = more of it is linearly readable there. ρ: its decay "
-              "per layer (PR_l ≈ ρ^(l-1) · PR_1). The reference saw the private data without DP: inspect, do not "
-              "publish."]
+    lines += ["", "PR_l: 1 - R² of a least-squares fit from layer l's hidden state to the next token as a class (its "
+              "one-hot over the vocabulary, a fixed 256-column sketch of it for larger vocabularies; He & Su's "
+              "next-token prediction), on the held-out rows; lower = more of it is linearly readable there. ρ: its "
+              "decay per layer (PR_l ≈ ρ^(l-1) · PR_1). The reference saw the private data without DP: inspect, do "
+              "not publish."]
     return "\n".join(lines)

@@ -46,10 +46,11 @@ class DPPublishedLogs(Trainer):
 
 
 def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model, block_stack, describe_scope,
-                  trained_params, notes=()) -> None:
+                  trained_params, start_checks: str | None = None, notes=()) -> None:
     """Log the run's plan (`ledger.plan`: the checkpoint's when resuming): σ, q, steps, ε at its end, per phase i
-    what trains (`describe_scope(i)`, `trained_params(i)`), then `notes` (a recipe's: how its data was read, the
-    defaults it chose); warnings for a seeded noise, no noise, no Poisson."""
+    what trains (`describe_scope(i)`, `trained_params(i)`), what the start-of-training checks cost (`start_checks`:
+    `training.start_checks`), then `notes` (a recipe's: how its data was read, the defaults it chose); warnings for a
+    seeded noise, no noise, no Poisson."""
     led = ledger.plan
     warn_if_openmp_spins()  # torch loaded before hf_dp_repr, with spinning threads, on a busy machine
     if led.randomness == "seeded":
@@ -85,6 +86,8 @@ def announce_plan(ledger: PrivacyLedger, *, noise_seed, max_rows_per_unit, model
                      f"{describe_scope(i)}")
         lines.append(describe_trainable(model, trained_params(i), phase.noise_multiplier,
                                         led.per_sample_max_grad_norm, phase.expected_batch_size, stack))
+    if start_checks is not None:
+        lines.append(start_checks)
     logger.info("\n".join([*lines, *notes]))
     for i, phase in enumerate(led.phases):
         warn_if_noise_drowns_updates(phase, sum(p.numel() for p in trained_params(i)))

@@ -72,6 +72,7 @@ from .plan import engine_options, plan_run, probe_then_schedule, resume_ledger
 from .preconditioned_probe import check_preconditioning, finish_preconditioning, start_preconditioning
 from .privacy_report import announce_plan, announce_spent, follow_log_level
 from .sharding import check_trainer, shard_for_training, trainer_init
+from .start_checks import StartChecks
 from .trainer_outputs import DPTrainerOutputs
 
 logger = logging.get_logger(TRAINER_LOGGER)
@@ -149,7 +150,8 @@ class DPTrainer(DPExampleLossMixin, DPTrainerOutputs):
         self.plan_notes: list[str] = []  # lines the logged plan ends with (a recipe's: its data notes, its defaults)
         self.features = FeatureCaches()  # features cached from frozen weights (training/cached_features.py)
         self._resume_ledger: PrivacyLedger | None = None
-        self._several_rows = frozenset()  # modules with several rows per example (the probe of each train())
+        self._several_rows = frozenset()  # modules with several rows per example (the start-of-training probe's)
+        self.start_checks = StartChecks()  # the probe, once per model and collator; its cost in the plan line
         self._shifts_labels = is_causal_lm(self.model)
         self.add_callback(SamplerEpochCallback(lambda: None if self.engine is None else self.engine.sampler))
         for cb in self.callback_handler.callbacks:  # e.g. RepresentationLawCallback needs the model and collator
@@ -257,7 +259,8 @@ class DPTrainer(DPExampleLossMixin, DPTrainerOutputs):
         if self.is_world_process_zero():  # once, not once per process
             announce_plan(self.ledger, noise_seed=self.args.noise_seed, max_rows_per_unit=self.args.max_rows_per_unit,
                           model=self.model, block_stack=self.args.block_stack, describe_scope=self.describe_scope,
-                          trained_params=self._trained_params, notes=self.plan_notes)
+                          trained_params=self._trained_params, start_checks=self.start_checks.describe(),
+                          notes=self.plan_notes)
         self._sync_phase()
         return self.optimizer
 
@@ -348,9 +351,9 @@ class DPTrainer(DPExampleLossMixin, DPTrainerOutputs):
             check_views(self.args, self.train_dataset)  # augmentation_multiplicity needs the dataset's transform
             check_preconditioning(self)  # probe_preconditioning: public data disjoint from the private set
             check_train_inputs(self)  # labels, then a collated probe batch: no packing, the model's inputs
-            dataset, collator = self._train_dataset_and_collator()
-            self._several_rows = self.probe_rows(dataset, ExampleBatchCollator(collator),
-                                                 self._scopes[-1] if self._scopes else None)
+            dataset, collator = self._train_dataset_and_collator()  # probed once per model and collator
+            self._several_rows = self.start_checks.probe(self, dataset, collator,
+                                                         self._scopes[-1] if self._scopes else None)
         if self.train_dataset is not None and trial is None:  # (a trial's arguments are set by the Trainer later)
             self.privacy_plan()  # refused (e.g. a batch larger than the data) before anything is written
         path = checkpoint_to_resume(self.args.output_dir, resume_from_checkpoint) if resume_from_checkpoint else None
