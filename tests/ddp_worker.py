@@ -36,7 +36,8 @@ def image_args(out: Path, world: int, sigma: float, steps: int = 1) -> list[str]
     return ["--output_dir", str(out), "--public_fraction", "0", "--noise_multiplier", str(sigma),
             "--per_device_train_batch_size", str(GLOBAL_BATCH // world), "--max_steps", str(steps), "--optim", "sgd",
             "--learning_rate", str(LR), "--lr_scheduler_type", "constant", "--weight_decay", "0",
-            "--target_delta", "1e-4", "--max_eval_samples", "64", "--seed", "0", "--noise_seed", "0", *COMMON]
+            "--target_delta", "1e-4", "--max_eval_samples", "64", "--seed", "0", "--noise_seed", "0",
+            "--dp_defaults", "off", *COMMON]  # every parameter trains: the update's noise is measured over all of them
 
 
 def main(out: Path) -> None:

@@ -101,7 +101,7 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
     if probe and "head_init" not in given and not scope_given:
         out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
     lr_given = "learning_rate" in given
-    if probe and "clipping" not in given:
+    if probe and not given & {"clipping", "adaptive_clipping"}:  # adaptive clipping follows a quantile: flat only
         out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023): examples "
                                          "the head already fits still count, which helped at small ε")
     batch = _set_batch(out, n, given, None if probe else MICRO_BATCH, gradient_accumulation_steps, world_size,
