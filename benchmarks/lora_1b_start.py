@@ -22,40 +22,19 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-CONFIG = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=32,
-              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+from realistic_sizes import LLAMA_1B, PeakRSS  # benchmarks/, the script's folder, is on sys.path
+
+CONFIG = LLAMA_1B
 SMALL = dict(CONFIG, hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8,
              num_key_value_heads=2)  # --small: the same shape of run at ~60M parameters (no lock needed)
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def high_water() -> int:
     """VmHWM: the process's peak RSS, imports included."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-class Peak:
-    def __init__(self):
-        self.base, self.peak, self._stop = rss(), 0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self):
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, rss() - self.base)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 def one(contender: str, steps: int, profile: str | None, config: dict) -> dict:
@@ -74,7 +53,7 @@ def one(contender: str, steps: int, profile: str | None, config: dict) -> dict:
     ids = torch.randint(0, config["vocab_size"], (n, seq), generator=g)
     data = Dataset.from_dict({"input_ids": ids.numpy(), "attention_mask": torch.ones_like(ids).numpy(),
                               "labels": ids.numpy()}).with_format("torch")
-    peak = Peak()
+    peak = PeakRSS()
     t0 = time.perf_counter()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config))

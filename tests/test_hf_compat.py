@@ -93,6 +93,16 @@ def test_opacus_private_helpers(module, name, params):
     assert _params(function) == params, f"{tested}: {module}.{name} takes {_params(function)}, not {params}."
 
 
+@pytest.mark.parametrize("name,why", hf_compat.DATASETS_PRIVATE)
+def test_datasets_private_attributes_still_follow_the_rows(name, why):
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"a": [1, 2]})
+    assert isinstance(getattr(rows, name, None), str), f"datasets: Dataset.{name} is gone ({why})."
+    assert getattr(rows.map(lambda r: {"a": r["a"] + 1}), name) != getattr(rows, name), (
+        f"datasets: Dataset.{name} no longer changes with the rows ({why}).")
+
+
 def test_the_pins_are_the_tested_ranges():
     setup = (pathlib.Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
     for pin in (hf_compat.TESTED_TRANSFORMERS, hf_compat.TESTED_OPACUS):

@@ -140,4 +140,8 @@ TRL_PRIVATE = (
 )
 
 # Opacus' private helper the "ddp" reduction draws its noise with: (module, name, parameters).
+# datasets: (private attribute of `datasets.Dataset`, why); tests/test_hf_compat.py checks it is still set and still
+# changes with the rows.
+DATASETS_PRIVATE = (("_fingerprint", "the rows' identity, updated by every transform: the recipes' check_source of the "
+                     "training split, hp_search.tuning_data, start_checks' key of the probe's result"),)
 OPACUS_PRIVATE = (("opacus.optimizers.optimizer", "_generate_noise", ("std", "reference", "generator", "secure_mode")),)
