@@ -5,11 +5,14 @@ prints a table (mean ± sd over fresh-noise runs) and writes `<work>/<task>.json
     python benchmarks/dp_defaults.py images --seeds 0 1 2     # CIFAR-10 PNGs as an imagefolder + DINOv2-S (../shared)
     python benchmarks/dp_defaults.py text --seeds 0 1 2       # stdlib docstrings, string labels, the default MiniLM
     python benchmarks/dp_defaults.py text --seeds 0 1 2 --extra --per_device_train_batch_size 8   # one flag given
+    python benchmarks/dp_defaults.py images --per_class 100 --test_per_class 1000 --public_per_class 100  # + public
 
 `images`: `--per_class` training and `--test_per_class` test images of each CIFAR-10 class from
 `../shared/data/cifar10_partial.npz`, written as PNG files in `train/<class>/` and `test/<class>/` (an imagefolder:
 the class names are the folder names), with the real pretrained DINOv2-S of `../shared/data` (no image processor:
-the family's defaults). `text`: six modules' docstring paragraphs of Python's standard library (`stdlib-topics`)
+the family's defaults); `--public_per_class K` writes K other training images of each class, without labels, to
+`public_K/` and gives it to the DP runs as `--public_dataset_name` (public images the user has; the non-private
+reference does not use them). `text`: six modules' docstring paragraphs of Python's standard library (`stdlib-topics`)
 with their module name as a string label, written as CSV (`text,category`) and loaded as the user's own data. Each
 row of the table is a recipe run with nothing but the model, the data, ε and the output folder given (plus `--extra`);
 the reference is the same probe non-private (`--trainable_blocks 0 --noise_multiplier 0 --clipping none`), plain
@@ -52,6 +55,23 @@ def make_imagefolder(work: Path, per_class: int, test_per_class: int) -> str:
             (folder / split / name).mkdir(parents=True, exist_ok=True)
             for i in np.flatnonzero(y == c)[:k]:
                 Image.fromarray(x[i]).save(folder / split / name / f"{i}.png")
+    return str(folder)
+
+
+def make_public_folder(work: Path, skip_per_class: int, per_class: int) -> str:
+    """`per_class` training images of each class after the first `skip_per_class` (disjoint from the private ones),
+    as unlabelled PNG files in one folder."""
+    import numpy as np
+    from PIL import Image
+
+    folder = work / f"public_{skip_per_class}_{per_class}"
+    if folder.exists():
+        return str(folder)
+    folder.mkdir(parents=True)
+    arrays = np.load(SHARED / "cifar10_partial.npz")
+    for c in range(len(CIFAR_CLASSES)):
+        for i in np.flatnonzero(arrays["y_train"] == c)[skip_per_class:skip_per_class + per_class]:
+            Image.fromarray(arrays["x_train"][i]).save(folder / f"{i}.png")
     return str(folder)
 
 
@@ -133,6 +153,8 @@ def main(argv=None):
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--per_class", type=int, default=30)
     parser.add_argument("--test_per_class", type=int, default=20)
+    parser.add_argument("--public_per_class", type=int, default=0, help="images: give the DP runs this many other "
+                        "unlabelled training images of each class as --public_dataset_name")
     parser.add_argument("--work", default="out/dp_defaults")
     parser.add_argument("--no_reference", action="store_true", help="skip the non-private reference run")
     parser.add_argument("--variants", nargs="+", default=[], help="more rows in the same process (the features "
@@ -145,8 +167,10 @@ def main(argv=None):
         data, model = make_imagefolder(work, args.per_class, args.test_per_class), str(SHARED / "dinov2-small-imgfocus")
     else:
         data, model = csv_as_dataset(make_text_csv(work), work), None  # the recipe's default model
-    rows = [run(args.task, data, model, work / "run", s, args.epsilon, args.extra) for s in args.seeds]
-    variants = {flags: [run(args.task, data, model, work / "run", s, args.epsilon, flags.split() + args.extra)
+    public = (["--public_dataset_name", make_public_folder(work, args.per_class, args.public_per_class)]
+              if args.public_per_class else [])
+    rows = [run(args.task, data, model, work / "run", s, args.epsilon, public + args.extra) for s in args.seeds]
+    variants = {flags: [run(args.task, data, model, work / "run", s, args.epsilon, public + flags.split() + args.extra)
                         for s in args.seeds] for flags in args.variants}
     refs = []  # a plain SGD probe at the DP runs' learning rate and 4× it; the better one counts
     for lr in ([] if args.no_reference else [rows[0]["learning_rate"], 4 * rows[0]["learning_rate"]]):
@@ -159,12 +183,13 @@ def main(argv=None):
         sd = statistics.stdev(vaccs) if len(vaccs) > 1 else 0.0
         print(f"variant {flags}: {statistics.mean(vaccs):.1f} ± {sd:.1f} % ({', '.join(f'{a:.1f}' for a in vaccs)})",
               flush=True)
-    summary = {"task": args.task, "epsilon": args.epsilon, "extra": args.extra, "runs": rows, "references": refs,
+    summary = {"task": args.task, "epsilon": args.epsilon, "extra": public + args.extra, "runs": rows,
+               "references": refs,
                "variants": variants,
                "mean": statistics.mean(accs), "sd": statistics.stdev(accs) if len(accs) > 1 else 0.0,
                "load": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (work / f"{args.task}.json").write_text(json.dumps(summary, indent=2))
-    print(f"{args.task}, ε = {args.epsilon:g}, given {' '.join(args.extra) or 'nothing else'}: "
+    print(f"{args.task}, ε = {args.epsilon:g}, given {' '.join(summary['extra']) or 'nothing else'}: "
           f"{summary['mean']:.1f} ± {summary['sd']:.1f} % over {len(rows)} runs "
           f"({', '.join(f'{a:.1f}' for a in accs)}); update SNR {rows[0]['snr']:.3g}; "
           + (f"non-private reference {100 * ref['accuracy']:.1f} % (SGD lr {ref['learning_rate']:g})" if ref else

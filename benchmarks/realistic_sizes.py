@@ -8,6 +8,9 @@ fixed-size shuffled batches, AdamW; the non-private contender is `transformers.T
     vit-b            ViT-B/16 (ViTConfig()), 224 px, batch 8, full fine-tuning
     llama-1b-lora    Llama-style (hidden 2048, 16 layers, `benchmarks/lora_1b_start.py`'s config), LoRA r = 16 on
                      q_proj, v_proj, sequence 256, batch 2
+    smollm2-lora     SmolLM2-135M-Instruct's architecture (Llama, 30 layers, hidden 576, tied embeddings; issue
+                     44's model, random weights), LoRA r = 8 on q_proj, v_proj, sequence 64, batch 16: the SFT
+                     step of `benchmarks/smollm2.py`
     vit, gpt2        `benchmarks/throughput.py`'s small configs (ViT 5.4M, batch 64; GPT-2 6.9M, batch 16)
     tiny-gpt2-lora   a smoke test (`tests/test_throughput_bench.py`)
 
@@ -42,11 +45,15 @@ import time
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=32,
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512, tie_word_embeddings=False)
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=512, tie_word_embeddings=True,
+                    rope_theta=100000.0, rms_norm_eps=1e-5)
 CONFIGS = {  # name: (family, config kwargs, batch, sequence length, LoRA (r, target modules) or None)
     "gpt2-124m": ("gpt2", {}, 4, 256, None),
     "gpt2-124m-lora": ("gpt2", {}, 4, 256, (8, ["c_attn"])),
     "vit-b": ("vit", dict(num_labels=10), 8, None, None),
     "llama-1b-lora": ("llama", LLAMA_1B, 2, 256, (16, ["q_proj", "v_proj"])),
+    "smollm2-lora": ("llama", SMOLLM2_135M, 16, 64, (8, ["q_proj", "v_proj"])),
     "vit": ("vit", dict(image_size=32, patch_size=4, hidden_size=192, num_hidden_layers=12, num_attention_heads=3,
                         intermediate_size=768, num_labels=10), 64, None, None),
     "gpt2": ("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, n_positions=128), 16, 128, None),

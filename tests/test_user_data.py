@@ -80,7 +80,7 @@ def ledger(run: Path) -> dict:
 
 def test_the_page_has_the_documented_layouts():
     assert set(page_commands()) == {"out/csv", "out/csv-declared", "out/parquet", "out/topics-analysis", "out/chats",
-                                    "out/images", "out/analysis", "out/synth"}
+                                    "out/images", "out/images-public", "out/analysis", "out/synth"}
 
 
 def test_csv_with_string_labels_read_off_the_rows_says_so_and_holds_out_a_test_split(workdir, monkeypatch, caplog):
@@ -116,6 +116,9 @@ def test_a_parquet_folder_gives_its_train_and_test_splits(workdir, monkeypatch):
 def test_jsonl_chats_train_per_user_and_a_user_column_at_row_level_is_warned_about(workdir, monkeypatch, caplog):
     run = run_page_command("out/chats", workdir, monkeypatch)
     assert ledger(run)["privacy_unit"] == "user_id"
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("DP-SGD plan"))
+    assert "data: no 'test' split: 8 of the 40 training rows" in plan  # the held-out rows, in the plan and the card
+    assert "8 of the 40 training rows (20%, seed 42) held out for evaluation" in (run / "README.md").read_text()
     assert "looks like it identifies people" not in caplog.text  # --privacy_unit given: nothing to say
     assert user_data.warn_row_level_users(["messages", "user_id"], "row") == ["user_id"]
     assert "Pass --privacy_unit user_id" in caplog.text
@@ -129,6 +132,9 @@ def test_an_imagefolder_with_a_local_model_trains_and_analyze_reads_the_same_fol
     n_train = len(list((workdir / "digits_png" / "train").rglob("*.png")))
     assert ledger(run)["dataset_size"] == n_train  # a local pretrained folder: no public share taken
     assert json.loads((run / "config.json").read_text())["id2label"] == {"0": "0", "1": "1", "2": "2"}
+    public = run_page_command("out/images-public", workdir, monkeypatch)  # the public images standardise the probe
+    assert "100 images of public_png" in (public / "README.md").read_text()
+    assert ledger(public)["dataset_size"] == n_train  # none of the user's images taken as public
     report = run_page_command("out/analysis", workdir, monkeypatch)
     law = json.loads((report / "representation_law.json").read_text())
     assert law["models"]["images"]["task"] == "image-classification"

@@ -248,3 +248,81 @@ def test_the_image_rule_scales_the_learning_rate_by_how_far_a_black_and_a_white_
     assert abs(grey - float(grey_cls.norm())) < 1e-4 and abs(s - grey) > 1e-3
     lr = choose(n=1000, epsilon=8.0, given=set(), feature_norm=s).values["learning_rate"]
     assert abs(lr - float(f"{0.9 * 8 / s:.3g}")) < 1e-9
+
+
+# ---- public images for a pretrained model's probe (--public_dataset_name) ------------------------------------------
+def _png_folder(root, n: int, seed: int, labelled: bool = True) -> str:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        folder = root / ("ab"[i % 2] if labelled else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return str(root)
+
+
+def _pretrained_vit(path) -> str:
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    config = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=64, num_labels=2)
+    ViTForImageClassification(config).save_pretrained(path)
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(path)
+    return str(path)
+
+
+def test_public_images_standardise_the_probe_by_default_and_ship_folded_in_the_head(tmp_path, caplog):
+    """With --public_dataset_name (unlabelled PNGs, disjoint from the user's) the defaults standardise the probe's
+    input on them (probe_preconditioning) and take the learning rate's scale as √d; the statistics are fitted on the
+    public rows alone, the saved head is plain and the card names them. Seen failing without the option (an unknown
+    argument) and with the preconditioning left 'none' (the scale of the black/white images instead)."""
+    import logging
+
+    from transformers import AutoModelForImageClassification
+
+    model = _pretrained_vit(tmp_path / "model")
+    argv = ["--model_name_or_path", model, "--dataset_name", _png_folder(tmp_path / "mine", 40, seed=0),
+            "--public_dataset_name", _png_folder(tmp_path / "public", 24, seed=1, labelled=False),
+            "--target_epsilon", "8", "--target_delta", "1e-4", "--save_strategy", "no", "--report_to", "none",
+            "--disable_tqdm", "true", "--output_dir", str(tmp_path / "out")]
+    with caplog.at_level(logging.INFO, logger="hf_dp_repr"):
+        metrics = image_recipe.main(argv)
+    logs = "\n".join(r.getMessage() for r in caplog.records)
+    assert "--probe_preconditioning standardize" in logs and "fitted on 24 public rows" in logs
+    assert f"--learning_rate {float(f'{0.9 * 8 / 32 ** 0.5:.3g}'):g}" in logs  # √d, d = 32 head inputs
+    assert 0 < metrics["epsilon"] <= 8
+    saved = AutoModelForImageClassification.from_pretrained(tmp_path / "out")
+    assert type(saved.classifier).__name__ == "Linear"  # the preconditioning folded into a plain head
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "24 images of" in card and "labels unused" in card
+
+
+def test_public_images_are_refused_where_they_cannot_be_public_or_used(tmp_path):
+    """Before training: the user's own images given as public (shared rows), a random-init model (public images do
+    not pre-train it), both public sources, a missing split or folder (before any work), and a scope that is not a
+    probe (nothing to precondition)."""
+    from hf_dp_repr.errors import DPConfigError
+
+    mine, model = _png_folder(tmp_path / "mine", 40, seed=0), _pretrained_vit(tmp_path / "model")
+    base = ["--dataset_name", mine, "--target_epsilon", "8", "--target_delta", "1e-4", "--report_to", "none",
+            "--disable_tqdm", "true", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(DPConfigError, match="shares rows with the private training set"):
+        image_recipe.main(base + ["--model_name_or_path", model, "--public_dataset_name", mine])
+    public = _png_folder(tmp_path / "public", 8, seed=1, labelled=False)
+    with pytest.raises(RecipeArgumentError, match="preconditions a pretrained model's linear probe"):
+        image_recipe.main(base + ["--public_dataset_name", public])  # the default tiny ViT
+    with pytest.raises(RecipeArgumentError, match="both give public data"):
+        image_recipe.main(base + ["--model_name_or_path", model, "--public_dataset_name", public,
+                                  "--public_fraction", "0.5"])
+    with pytest.raises(RecipeArgumentError, match="has the splits"):
+        image_recipe.main(base + ["--model_name_or_path", model, "--public_dataset_name", public,
+                                  "--public_split", "validation"])
+    from hf_dp_repr.errors import DataError
+
+    with pytest.raises(DataError, match="--public_dataset_name"):
+        image_recipe.main(base + ["--model_name_or_path", model, "--public_dataset_name", str(tmp_path / "none")])
+    assert not (tmp_path / "out").exists()  # each refused before anything was written
+    with pytest.raises(RecipeArgumentError, match="does not train"):
+        image_recipe.main(base + ["--model_name_or_path", model, "--public_dataset_name", public,
+                                  "--trainable_blocks", "1"])

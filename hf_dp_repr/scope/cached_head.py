@@ -107,7 +107,7 @@ def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoad
     try:
         for i, batch in enumerate(tqdm(loader, desc="caching head inputs", disable=not show_progress)):
             batch = {k: v.to(device) for k, v in batch.items()}
-            y = batch.pop("labels")
+            y = batch.pop("labels", None)  # public rows for `probe_preconditioning` come without
             model.eval()
             with torch.no_grad():
                 logits = model(**batch).logits
@@ -116,7 +116,7 @@ def compute_head_inputs(model: torch.nn.Module, head_name: str, loader: DataLoad
                     raise NotCacheable(f"the output of `{head_name}` is not the model's logits "
                                        "(the model post-processes it)")
             features.append(seen["input"].cpu())
-            labels.append(y.cpu())
+            labels.append(y.cpu() if y is not None else torch.full((len(logits),), -100))
     finally:
         handle.remove()
         model.train(was_training)

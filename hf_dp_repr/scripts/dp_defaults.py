@@ -20,7 +20,9 @@ The rule (DESIGN.md "Choosing DP hyperparameters from public quantities"; measur
 - Optimizer: plain SGD for a probe, with a learning rate that grows with ε (the best learning rate × steps grows about
   linearly with ε: Panda et al. 2024) and is divided by a scale s of the head's input on data-free inputs (the
   distance between a black and a white image's, the norm of an empty text's: a property of the public weights; a
-  step moves the logits by about lr·C·s, and s is 22.6 for DINOv2-S, ~1.2 for MiniLM), capped; a zero-initialised
+  step moves the logits by about lr·C·s, and s is 22.6 for DINOv2-S, ~1.2 for MiniLM), capped; with public
+  images given (`--public_dataset_name`), the probe's input is standardised on them (`probe_preconditioning`) and
+  s = √d for its d inputs (each has unit variance on the public images); a zero-initialised
   head (known to help under DP); automatic clipping (each example's gradient scaled to norm about C, Bu et al.
   2023; it helped at ε ≤ 1 in the measurements). AdamW at `FINE_TUNE_LR` when blocks train (Li et al. 2022's
   large-batch DP fine-tuning).
@@ -44,7 +46,8 @@ from dataclasses import dataclass, field
 
 # The options the rule sets. Any of them given by the user is kept as given.
 TRAINING_HYPERPARAMETERS = ("trainable_blocks", "per_device_train_batch_size", "gradient_accumulation_steps",
-                            "num_train_epochs", "optim", "learning_rate", "head_init", "clipping")
+                            "num_train_epochs", "optim", "learning_rate", "head_init", "clipping",
+                            "probe_preconditioning")
 # Options that choose what trains: given any of them, the rule leaves the scope alone (and does not zero the head).
 SCOPE_OPTIONS = ("trainable_blocks", "trainable_groups", "lp_steps")
 STEP_OPTIONS = ("num_train_epochs", "max_steps")
@@ -88,10 +91,13 @@ class Defaults:
 
 def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int | None = None,
            gradient_accumulation_steps: int = 1, world_size: int = 1, optim: str = "adamw_torch",
-           feature_norm: float | None = None) -> Defaults:
+           feature_norm: float | None = None, public_width: int | None = None,
+           probe_preconditioning: str = "none") -> Defaults:
     """The values of the `TRAINING_HYPERPARAMETERS` not in `given`, for `n` private examples (units) at `epsilon`
     (None: σ given or an attack target: the learning rate of ε = 1); `trainable_blocks`, `gradient_accumulation_steps`,
-    `world_size`, `optim`: the run's, read when given; `feature_norm`: `head_input_norm` of the model (None: 1)."""
+    `world_size`, `optim`, `probe_preconditioning`: the run's, read when given; `feature_norm`: `head_input_norm` of
+    the model (None: 1); `public_width`: the width d of the head's input when public data can precondition it
+    (None: no public data)."""
     out = Defaults()
     scope_given = bool(given & set(SCOPE_OPTIONS))
     probe = (trainable_blocks == 0) if scope_given else True
@@ -101,6 +107,12 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
     if probe and "head_init" not in given and not scope_given:
         out.set("head_init", "zeros", "a zero-initialised head, known to help under DP")
     lr_given = "learning_rate" in given
+    preconditioning = probe_preconditioning if "probe_preconditioning" in given else "none"
+    if probe and public_width and "probe_preconditioning" not in given:
+        preconditioning = "standardize"
+        out.set("probe_preconditioning", preconditioning, "the head's inputs standardised with the public images' "
+                "per-feature mean and std (no ε: public data only; folded into the saved head): DP noise is spread "
+                "evenly over inputs that vary alike")
     if probe and not given & {"clipping", "adaptive_clipping"}:  # adaptive clipping follows a quantile: flat only
         out.set("clipping", "automatic", "every example's gradient scaled to norm about C (Bu et al. 2023): examples "
                                          "the head already fits still count, which helped at small ε")
@@ -117,12 +129,16 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
     if not lr_given:
         sgd = (optim if "optim" in given else out.values["optim"]) == "sgd"
         if sgd:
-            scale = feature_norm or 1.0
+            standardised = probe and public_width and preconditioning != "none"
+            scale = public_width ** 0.5 if standardised else feature_norm or 1.0
             lr = min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0)) / scale
             out.set("learning_rate", float(f"{lr:.3g}"),
                     f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the scale of the "
-                    "head's input on data-free inputs (images: a black vs a white one): the best learning rate grows "
-                    "about linearly with ε, and a step moves the logits by about lr·C·s")
+                    + (f"head's standardised input (√d, d = {public_width} inputs of unit variance on the public "
+                       "images)" if standardised else
+                       "head's input on data-free inputs (images: a black vs a white one)")
+                    + ": the best learning rate grows about linearly with ε, and a step moves the logits by about "
+                    "lr·C·s")
         else:
             lr = FINE_TUNE_LR if not probe else ADAM_PROBE_LR
             out.set("learning_rate", lr, "Adam's step under DP noise, with a large batch" if not probe else
@@ -225,18 +241,29 @@ def apply(training_args, defaults: Defaults) -> None:
 
 
 def fill_in(training_args, n: int, given: set[str], switch: str = "on", model=None,
-            blank_inputs: dict | None = None) -> Defaults:
+            blank_inputs: dict | None = None, public_data: bool = False) -> Defaults:
     """What a classification recipe calls before its checks: unless `switch` (`--dp_defaults`) is "off", choose the
     defaults for the `n` private examples (with the feature scale of `model` on `blank_inputs`, a data-free batch of
-    one) and set them on `training_args`. Returns what was chosen and why, for the plan (`describe()`)."""
+    one; `public_data`: public inputs can precondition the probe) and set them on `training_args`. Returns what was
+    chosen and why, for the plan (`describe()`)."""
     if switch == "off":
         return Defaults(off=True)
     args = training_args
     scale = head_input_norm(model, blank_inputs) if model is not None and blank_inputs is not None else None
+    width = head_input_width(model) if public_data and model is not None else None
     defaults = choose(n, args.target_epsilon, given, args.trainable_blocks, args.gradient_accumulation_steps,
-                      args.world_size, getattr(args.optim, "value", args.optim), scale)
+                      args.world_size, getattr(args.optim, "value", args.optim), scale, width,
+                      args.probe_preconditioning)
     apply(args, defaults)
     return defaults
+
+
+def head_input_width(model) -> int:
+    """d: the number of inputs of the model's task head (its first linear layer's)."""
+    from hf_dp_repr.scope.blocks import head_modules
+
+    head = head_modules(model)[0][1]
+    return next(m for m in head.modules() if hasattr(m, "in_features")).in_features
 
 
 def head_input_norm(model, blank_inputs: dict) -> float:

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         targs.privacy_unit = USER_ID
     if margs.sft_model is not None and margs.tokenizer_name is None:
         margs.tokenizer_name = margs.sft_model  # the SFT run saved its tokenizer (and chat template) there
-    chats, evaluation = load_chats(margs, targs.seed)
+    chats, evaluation, held_out = load_chats(margs, targs.seed)
     given_pairs = {"prompt", "chosen", "rejected"} <= set(chats.column_names)
     train, evaluation = (None if d is None else preference_rows(d) for d in (chats, evaluation))
     tokenizer = load_tokenizer(margs)
@@ -158,11 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{ru.data_description(margs)}" if given_pairs else
                       f"{len(train)} preference pairs built from the '{margs.train_split}' conversations of "
                       f"{ru.data_description(margs)} (chosen: the conversation's answer, rejected: another answer of "
-                      "the same user); the DP SFT model it starts from was trained on the same users"),
+                      "the same user); the DP SFT model it starts from was trained on the same users")
+                     + (f"; {held_out}" if held_out else ""),
         public_data="the DP SFT model (its own guarantee is in its card) and its tokenizer")
     trainer = DPDPOTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)
-    trainer.plan_notes = recipe_report.plan_notes([], defaults)
+    trainer.plan_notes = recipe_report.plan_notes([held_out] if held_out else [], defaults)
     result = ru.train(trainer, margs.overwrite_output_dir)
     composed = composed_epsilon(sft_ledger(margs.sft_model), trainer.ledger)
 

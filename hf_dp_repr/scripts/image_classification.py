@@ -91,6 +91,14 @@ class ImageArguments(AnalysisArguments, PublicPretrainingArguments, Classificati
     image_std: list[float] | None = field(default=None, metadata={
         "help": "Per-channel normalisation std, e.g. 0.229 0.224 0.225 (default: the image processor's or the "
                 "family's)."})
+    public_dataset_name: str | None = field(default=None, metadata={
+        "help": "PUBLIC images (a Hub name, an imagefolder or data files, read as --dataset_name is; labels unused) "
+                "that precondition a pretrained model's linear probe: the DP-aware defaults then standardise the "
+                "head's inputs with their per-feature mean and std (probe_preconditioning), fitted without DP and "
+                "shipped in the saved head. Never pass private images here."})
+    public_split: str = field(default="train", metadata={"help": "The split of --public_dataset_name to read."})
+    public_max_samples: int | None = field(default=None, metadata={
+        "help": "Read at most this many images of --public_dataset_name (the first ones)."})
     validation_fraction: float = field(default=0.0, metadata={
         "help": "Evaluate on this share of the private training rows, held out from training, instead of the eval "
                 "split: choose settings on it, never on the test split. Its metrics are computed on private data "
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     margs, targs, push = ru.start_run(ARGUMENT_TYPES, argv)
     targs.remove_unused_columns = False  # the collator below picks the columns
     model_name = margs.model_name_or_path
+    public_rows = load_public_rows(margs)  # checked before any work: --public_dataset_name, its split and column
     public_fraction = margs.resolved_public_fraction(ru.is_tiny(model_name), ru.dataset_name(margs) == DIGITS,
                                                      model_name)
 
@@ -125,8 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
+    public_images = public_pixel_values(public_rows, margs, processor, model.config.num_channels)
     blank = data_free_images(processor, model.config.num_channels, train[0]["pixel_values"])
-    defaults = dp_defaults.fill_in(targs, len(train), margs.given_options, margs.dp_defaults, model, blank)
+    defaults = dp_defaults.fill_in(targs, len(train), margs.given_options, margs.dp_defaults, model, blank,
+                                   public_data=public_images is not None)
+    if public_images is not None and parse_preconditioning(targs.probe_preconditioning)[0] == "none":
+        raise RecipeArgumentError(f"--public_dataset_name {margs.public_dataset_name}: its images precondition a "
+                                  "linear probe (--probe_preconditioning standardize or pca:K), which this run does "
+                                  "not train; drop --public_dataset_name, or drop the scope/--probe_preconditioning "
+                                  "none you gave.")
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
@@ -163,13 +179,18 @@ def main(argv: list[str] | None = None) -> dict:
                      + ("" if margs.public_shift == "none" else f", shifted to another distribution "
                         f"({margs.public_shift})") + f", used for non-private pre-training of the randomly "
                      f"initialised {model_name}" if public is not None else
-                     f"the pre-trained weights of {model_name} (not trained on the private data here)"),
+                     f"the pre-trained weights of {model_name} (not trained on the private data here)"
+                     + (f"; {len(public_images)} images of {margs.public_dataset_name} ('{margs.public_split}' split, "
+                        f"labels unused), whose statistics precondition the probe "
+                        f"(probe_preconditioning={targs.probe_preconditioning!r}, fitted without DP, folded into the "
+                        "saved head)" if public_images is not None else "")),
         analysis_data=(f"{len(data['eval'])} private training rows held out as validation (not trained on)"
                        if margs.validation_fraction else
                        f"the '{margs.eval_split}' split ({len(data['eval'])} examples, not trained on)"),
     )
     # probe_preconditioning's statistics come from the public images (no public phase: public_max_steps stays 0)
-    stats_source = public if parse_preconditioning(targs.probe_preconditioning)[0] != "none" else None
+    stats_source = (public_images if public_images is not None else public) \
+        if parse_preconditioning(targs.probe_preconditioning)[0] != "none" else None
     trainer = DPTrainer(model=model, args=targs, train_dataset=train, eval_dataset=data["eval"],
                         data_collator=collate, compute_metrics=accuracy_metrics(), callbacks=callbacks,
                         processing_class=processor, model_card_info=card_info,  # saved with the model
@@ -246,6 +267,45 @@ def load_image_data(margs: ImageArguments, seed: int):
     return {"train": train, "eval": evals}, image_col, label_col, notes
 
 
+def load_public_rows(margs: ImageArguments):
+    """The `--public_dataset_name` images (its `--public_split`, the image column only, at most
+    `--public_max_samples`), or None when none are given; refused before any work where they cannot serve (a
+    randomly initialised model, public data given twice, a split or column that is not there)."""
+    if margs.public_dataset_name is None:
+        return None
+    if ru.is_tiny(margs.model_name_or_path):
+        raise RecipeArgumentError(f"--public_dataset_name preconditions a pretrained model's linear probe; "
+                                  f"--model_name_or_path {margs.model_name_or_path} is randomly initialised: pass a "
+                                  "pretrained model, or --public_fraction F to pre-train on a share of your data.")
+    if margs.public_fraction:
+        raise RecipeArgumentError(f"--public_dataset_name and --public_fraction {margs.public_fraction:g} both give "
+                                  "public data; give one.")
+    from hf_dp_repr.data.user_data import load_user_data
+
+    raw = load_user_data(margs.public_dataset_name)
+    if margs.public_split not in raw:
+        raise RecipeArgumentError(f"--public_split {margs.public_split}: {margs.public_dataset_name} has the splits "
+                                  f"{sorted(raw)}; pass one of them.")
+    public = raw[margs.public_split]
+    image_col = check_column(public.column_names, margs.image_column, ("pixel_values", "image", "img"),
+                             "--image_column")
+    public = public.select_columns([image_col])
+    return public.select(range(min(margs.public_max_samples, len(public)))) if margs.public_max_samples else public
+
+
+def public_pixel_values(public, margs: ImageArguments, processor, num_channels: int):
+    """`public` (from `load_public_rows`) through the private images' preprocessing, or None."""
+    if public is None:
+        return None
+    image_col = public.column_names[0]
+    if (image_col == "pixel_values") != (processor is None):
+        raise RecipeArgumentError(f"--public_dataset_name {margs.public_dataset_name}: its images and the private "
+                                  "ones must come alike (both as image files, or both as pixel values).")
+    if processor is None:
+        return public.with_format("torch")
+    return to_pixel_values(public, image_col, processor, num_channels, desc="preprocessing public images")
+
+
 def _with_pixel_values(data, margs: ImageArguments, model, image_col, label_col, check_size: bool = True):
     """Rename to `pixel_values` / `labels`; images become pixel values once, with `map` (deterministic
     preprocessing, so the linear probe may cache features), after checking (`check_size`) that the model takes
@@ -287,8 +347,10 @@ def data_free_images(processor, num_channels: int, like) -> dict:
 
 
 def _collate(examples):
-    return {"pixel_values": torch.stack([torch.as_tensor(e["pixel_values"]) for e in examples]),
-            "labels": torch.tensor([int(e["labels"]) for e in examples])}
+    batch = {"pixel_values": torch.stack([torch.as_tensor(e["pixel_values"]) for e in examples])}
+    if "labels" in examples[0]:  # public images for the preconditioning come without
+        batch["labels"] = torch.tensor([int(e["labels"]) for e in examples])
+    return batch
 
 
 def _load_model(name, num_labels, id2label, train, image_col, seed):

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     repr_compare.check_arguments(margs, targs)
     if "privacy_unit" not in margs.given_options and ru.dataset_name(margs) == STDLIB_CHATS:
         targs.privacy_unit = USER_ID  # user-level privacy by default on the built-in data
-    train, evaluation = load_chats(margs, targs.seed)
+    train, evaluation, held_out = load_chats(margs, targs.seed)
     warn_row_level_users(train.column_names, targs.privacy_unit)
     tokenizer = load_tokenizer(margs)
     model = load_model(margs, tokenizer, targs)
@@ -101,13 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
                                 if ru.is_tiny(margs.model_name_or_path) else description(margs.model_name_or_path)
                                 or margs.model_name_or_path),
         private_data=f"{len(train)} conversations of the '{margs.train_split}' split of {ru.data_description(margs)}; "
-                     f"{unit} "
-                     "is one unit of privacy",
+                     f"{unit} is one unit of privacy" + (f"; {held_out}" if held_out else ""),
         public_data=("the docstrings of Python modules that are no user of the data (the tokenizer was trained on "
                      "them)" if getattr(tokenizer, "_trained_here", False) else "the base model and its tokenizer"))
     trainer = DPSFTTrainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            processing_class=tokenizer, peft_config=peft_config, model_card_info=card_info)
-    trainer.plan_notes = recipe_report.plan_notes([], defaults)
+    trainer.plan_notes = recipe_report.plan_notes([held_out] if held_out else [], defaults)
     result = ru.train(trainer, margs.overwrite_output_dir)
     metrics = ru.finish_run(trainer, result, margs, push=push, extra_rows=lambda t: answer(t, margs))
     if margs.compare_representations and trainer.is_world_process_zero() and trainer.eval_dataset is not None:
@@ -150,7 +149,9 @@ def load_saved(out: str):
 
 
 def load_chats(margs: SFTArguments, seed: int = 42):
-    """(train, eval) conversation datasets. The built-in data holds out the last `eval_users` users whole."""
+    """(train, eval, note) conversation datasets. The built-in data holds out the last `eval_users` users whole; the
+    user's own data without an eval split has a share of its rows held out (`note` says so, for the plan and the
+    card; None otherwise)."""
     if ru.dataset_name(margs) == STDLIB_CHATS:
         from hf_dp_repr.trl.chat_data import stdlib_conversations
 
@@ -160,9 +161,8 @@ def load_chats(margs: SFTArguments, seed: int = 42):
         if len(held_out) >= len(users):
             raise RecipeArgumentError(f"--eval_users {margs.eval_users} leaves no user to train on.")
         return (chats.filter(lambda u: u not in held_out, input_columns=USER_ID),
-                chats.filter(lambda u: u in held_out, input_columns=USER_ID) if held_out else None)
-    train, evaluation, _ = ru.pick_splits(ru.load_raw(margs), margs, seed)
-    return train, evaluation
+                chats.filter(lambda u: u in held_out, input_columns=USER_ID) if held_out else None, None)
+    return ru.pick_splits(ru.load_raw(margs), margs, seed)
 
 
 def load_tokenizer(margs: SFTArguments):

@@ -215,6 +215,8 @@ def check_names(margs) -> None:
     built_here = getattr(margs, "BUILT_IN_DATASETS", ())  # names a recipe builds itself (the SFT recipe's chats)
     if dataset and embedded_name(dataset) is None and not dataset.endswith(".npz") and dataset not in built_here:
         check_dataset_name(dataset, shipped=EMBEDDED_DATASETS)
+    if public := getattr(margs, "public_dataset_name", None):
+        check_dataset_name(public, shipped=EMBEDDED_DATASETS, flag="--public_dataset_name")
 
 
 def use_gguf_folder(margs) -> None:

@@ -20,6 +20,8 @@ from transformers.utils import logging
 
 from ..errors import DPConfigError, ScopeError
 from ..privacy.sharding import reshard
+from ..scope.cached_head import head_inputs_for
+from ..scope.feature_store import NotCacheable
 from ..scope.preconditioning import PreconditionedHead, fit_preconditioner, install, parse_preconditioning, remove
 from ..scope.shards import assign
 from . import TRAINER_LOGGER
@@ -82,7 +84,12 @@ def start_preconditioning(trainer) -> None:
     public = trainer.public_train_dataset
     if hasattr(public, "column_names"):
         public = trainer._remove_unused_columns(public, description="public preconditioning")
-    features = public_head_inputs(trainer.model, head_name, public, trainer.data_collator, trainer.args)
+    features = None
+    if not trainer.sharded:  # kept in the process's feature store: a sweep's or a benchmark's later runs reuse them
+        with contextlib.suppress(NotCacheable):  # a head whose output the model post-processes: computed below
+            features = head_inputs_for(trainer.model, head_name, public, trainer.data_collator, trainer.args).features
+    if features is None:  # sharded: every rank runs the sharded forward
+        features = public_head_inputs(trainer.model, head_name, public, trainer.data_collator, trainer.args)
     _settle(trainer)
     install(trainer.model, head_name, fit_preconditioner(features, spec))
     trainer._preconditioned = head_name
