@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -48,13 +49,15 @@ def make_imagefolder(work: Path, per_class: int, test_per_class: int) -> str:
     folder = work / f"cifar_{per_class}_{test_per_class}"
     if folder.exists():
         return str(folder)
-    arrays = np.load(SHARED / "cifar10_partial.npz")
+    arrays, part = np.load(SHARED / "cifar10_partial.npz"), folder.with_name(folder.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)  # a run stopped while writing: written whole, then renamed
     for split, x, y, k in (("train", arrays["x_train"], arrays["y_train"], per_class),
                            ("test", arrays["x_test"], arrays["y_test"], test_per_class)):
         for c, name in enumerate(CIFAR_CLASSES):
-            (folder / split / name).mkdir(parents=True, exist_ok=True)
+            (part / split / name).mkdir(parents=True, exist_ok=True)
             for i in np.flatnonzero(y == c)[:k]:
-                Image.fromarray(x[i]).save(folder / split / name / f"{i}.png")
+                Image.fromarray(x[i]).save(part / split / name / f"{i}.png")
+    part.rename(folder)
     return str(folder)
 
 
@@ -67,11 +70,13 @@ def make_public_folder(work: Path, skip_per_class: int, per_class: int) -> str:
     folder = work / f"public_{skip_per_class}_{per_class}"
     if folder.exists():
         return str(folder)
-    folder.mkdir(parents=True)
-    arrays = np.load(SHARED / "cifar10_partial.npz")
+    arrays, part = np.load(SHARED / "cifar10_partial.npz"), folder.with_name(folder.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
     for c in range(len(CIFAR_CLASSES)):
         for i in np.flatnonzero(arrays["y_train"] == c)[skip_per_class:skip_per_class + per_class]:
-            Image.fromarray(arrays["x_train"][i]).save(folder / f"{i}.png")
+            Image.fromarray(arrays["x_train"][i]).save(part / f"{i}.png")
+    part.rename(folder)
     return str(folder)
 
 

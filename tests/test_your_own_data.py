@@ -290,7 +290,7 @@ def test_public_images_standardise_the_probe_by_default_and_ship_folded_in_the_h
         metrics = image_recipe.main(argv)
     logs = "\n".join(r.getMessage() for r in caplog.records)
     assert "--probe_preconditioning standardize" in logs and "fitted on 24 public rows" in logs
-    assert f"--learning_rate {float(f'{0.9 * 8 / 32 ** 0.5:.3g}'):g}" in logs  # √d, d = 32 head inputs
+    assert f"--learning_rate {float(f'{3 * 0.9 * 8 / 32 ** 0.5:.3g}'):g}" in logs  # 3 × 0.9·ε / √d, d = 32 inputs
     assert 0 < metrics["epsilon"] <= 8
     saved = AutoModelForImageClassification.from_pretrained(tmp_path / "out")
     assert type(saved.classifier).__name__ == "Linear"  # the preconditioning folded into a plain head
