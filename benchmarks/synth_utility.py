@@ -88,7 +88,8 @@ def one_run(args, run: int, out: str, real: dict) -> dict:
     x_syn = embed(rows["text"])
     dp_probe = text_classification.main([
         "--model_name_or_path", "sentence-transformers/all-MiniLM-L6-v2", "--dataset_name", "stdlib-topics",
-        "--max_length", "64", "--trainable_blocks", "0", "--target_epsilon", str(args.epsilon), "--target_delta",
+        "--max_length", "64", "--trainable_blocks", "0", "--dp_defaults", "off",  # its own settings: AdamW at 0.05
+        "--target_epsilon", str(args.epsilon), "--target_delta",
         str(args.delta), "--per_device_train_batch_size", "128", "--num_train_epochs", "10", "--learning_rate", "0.05",
         "--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
         "--output_dir", f"{out}/probe{run}"])
