@@ -14,6 +14,10 @@ its own process (its peak RSS from /usr/bin/time, its steps/s from the run's all
     layers.png, comparison.json).
 
     python benchmarks/smollm2.py --runs 3 --epsilons 1 8 --steps 20 --analyze --out out/smollm2-bench
+
+`--law_of_runs` trains nothing: it runs the same comparison on every model of `<out>/smollm2.json` (the base, the
+non-private run and each DP run whose folder is still there) and adds, per ε, the mean ± sd over the DP runs of PR_l's
+difference from the base model at each layer (`<out>/law-runs/`, and "law_of_runs" in the JSON).
 """
 
 from __future__ import annotations
@@ -133,6 +137,7 @@ def main() -> None:
                         "process per setting, so a shared machine's lock can be released between them")
     p.add_argument("--analyze", action="store_true")
     p.add_argument("--analyze_rows", type=int, default=400, help="held-out paragraphs for --analyze")
+    p.add_argument("--law_of_runs", action="store_true", help="only the comparison, of every run in <out>'s JSON")
     p.add_argument("--out", default="out/smollm2-bench")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -140,6 +145,8 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.law_of_runs:
+        return law_of_runs(out, args.analyze_rows)
     work = Path(tempfile.mkdtemp(prefix="smollm2-bench-", dir=out))
     chats = held_out(args)
     # the largest ε first, and the law right after its first run: a partial run (time out) already compares
@@ -197,6 +204,33 @@ def analyze(report: dict, models: dict[str, str], out: Path, rows: int) -> None:
     loaders = {name: (lambda folder=folder: load(folder)[0]) for name, folder in folders.items()}
     report["law"] = repr_compare.compare(loaders, data, out, max_examples=None,
                                          title="SmolLM2-135M-Instruct, held-out stdlib paragraphs")
+
+
+def law_of_runs(out: Path, rows: int) -> None:
+    """PR_l of every model in `out`'s report (folders still on disk), and per ε the DP runs' mean ± sd difference
+    from the base model at each layer."""
+    report = json.loads((out / "smollm2.json").read_text())
+    present = {label: row for label, row in report["settings"].items() if os.path.isdir(row["folder"])}
+    names = {label: "public (base)" if label == "base" else label for label in present}
+    analyze(report, {names[label]: label for label in present}, out / "law-runs", rows)
+    base = report["law"]["public (base)"]["residual"]
+    summary = {}
+    for label in present:
+        if label.startswith("dp-"):
+            summary.setdefault(label.split("-run")[0], []).append(
+                [a - b for a, b in zip(report["law"][label]["residual"], base)])
+    summary["non-private"] = [[a - b for a, b in zip(report["law"]["non-private"]["residual"], base)]]
+    report["law_of_runs"] = {
+        name: {"runs": len(diffs), "mean_minus_base": [statistics.mean(c) for c in zip(*diffs)],
+               "sd": [statistics.stdev(c) if len(diffs) > 1 else 0.0 for c in zip(*diffs)],
+               "rho": [(report["law"][label]["residual_law"] or {}).get("rho") for label in present
+                       if label.split("-run")[0] == name]}
+        for name, diffs in summary.items()}
+    (out / "smollm2.json").write_text(json.dumps(report, indent=2))
+    for name, row in report["law_of_runs"].items():
+        print(name, row["runs"], "runs; PR_l - base at layers 0, 10, 20, 30:",
+              [f"{row['mean_minus_base'][i]:+.5f} ± {row['sd'][i]:.5f}" for i in (0, 10, 20, 30)], "ρ", row["rho"],
+              flush=True)
 
 
 def table(report: dict) -> str:
