@@ -139,10 +139,10 @@ def choose(n: int, epsilon: float | None, given: set[str], trainable_blocks: int
             lr = factor * min(PROBE_MAX_LR, PROBE_LR_PER_EPSILON * (epsilon or 1.0)) / scale
             out.set("learning_rate", float(f"{lr:.3g}"),
                     (f"{factor:g} × " if standardised else "")
-                    + f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the scale of the "
-                    + (f"head's standardised input (√d, d = {public_width} inputs of unit variance on the public "
-                       "images; the factor chosen on validation images)" if standardised else
-                       "head's input on data-free inputs (images: a black vs a white one)")
+                    + f"{PROBE_LR_PER_EPSILON:g}·ε / s (at most {PROBE_MAX_LR:g} / s), s = {scale:.3g} the scale "
+                    + (f"of the head's standardised input (√d, d = {public_width} inputs of unit variance on the "
+                       "public images; the factor chosen on validation images)" if standardised else
+                       "of the head's input on data-free inputs (images: a black vs a white one)")
                     + ": the best learning rate grows about linearly with ε, and a step moves the logits by about "
                     "lr·C·s")
         else:
