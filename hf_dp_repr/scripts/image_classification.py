@@ -134,15 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     train, public, data["eval"] = split_private(data, margs, public_fraction, targs.seed)
     train = augment_images(train, margs.train_augmentation)  # after the split: evaluation and public rows stay as is
-    public_images = public_pixel_values(public_rows, margs, processor, model.config.num_channels)
     blank = data_free_images(processor, model.config.num_channels, train[0]["pixel_values"])
     defaults = dp_defaults.fill_in(targs, len(train), margs.given_options, margs.dp_defaults, model, blank,
-                                   public_data=public_images is not None)
-    if public_images is not None and parse_preconditioning(targs.probe_preconditioning)[0] == "none":
+                                   public_data=public_rows is not None)
+    if public_rows is not None and parse_preconditioning(targs.probe_preconditioning)[0] == "none":
         raise RecipeArgumentError(f"--public_dataset_name {margs.public_dataset_name}: its images precondition a "
                                   "linear probe (--probe_preconditioning standardize or pca:K), which this run does "
                                   "not train; drop --public_dataset_name, or drop the scope/--probe_preconditioning "
                                   "none you gave.")
+    public_images = public_pixel_values(public_rows, margs, processor, model.config.num_channels)
     plan = checks.check_before_work(model, train, targs)  # before any work and before anything is written
     recipe_report.default_logging(targs, plan.planned_steps, margs.given_options)
     if public is not None:
